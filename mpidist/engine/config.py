@@ -1,0 +1,329 @@
+"""The job config: TOML schema, defaults and validation.
+
+`validate(raw)` checks the WHOLE document and returns a plain nested dict with every key of
+every section present (defaults filled in), or raises ConfigError listing every problem at
+once. `load_config(path, comm)` runs it on rank 0 only and broadcasts the result, so a bad
+config gives the same one message on every rank and no rank starts work.
+
+Sections and keys are the SCHEMA table below; `mpidist train --show-schema` prints it.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mpidist.errors import ConfigError
+
+__all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS"]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config key: its type(s), default, allowed values or check, and a one-line doc."""
+    types: tuple
+    default: Any
+    doc: str
+    choices: tuple | None = None
+    check: Callable[[Any], bool] | None = None
+    rule: str = ""              # the check in words, for the error message
+
+
+def _f(types, default, doc, choices=None, check=None, rule=""):
+    return Field(types if isinstance(types, tuple) else (types,), default, doc, choices, check, rule)
+
+
+_pos = dict(check=lambda v: v > 0, rule="> 0")
+_nonneg = dict(check=lambda v: v >= 0, rule=">= 0")
+_ints = dict(check=lambda v: all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in v),
+             rule="a list of positive integers")
+_prob = dict(check=lambda v: 0 <= v < 1, rule="in [0, 1)")
+
+SCHEMA: dict[str, dict[str, Field]] = {
+    "job": {
+        "name": _f(str, None, "job name (default: the config file's stem)"),
+        "seed": _f(int, 0, "seed of model init, data order and dropout", **_nonneg),
+        "epochs": _f(int, 1, "passes over the training set (ignored when steps > 0)", **_nonneg),
+        "steps": _f(int, 0, "optimizer steps to run; 0 = run `epochs` epochs", **_nonneg),
+        "out_dir": _f(str, None, "where metrics, plots and checkpoints go (default results/<name>)"),
+        "eval_every": _f(int, 0, "evaluate every N steps; 0 = at the end of each epoch", **_nonneg),
+        "dtype": _f(str, "float32", "parameter dtype", choices=("float32", "float64")),
+        "progress": _f(bool, True, "tqdm progress bar on rank 0"),
+        "plot": _f(bool, True, "write a PNG plot of the run at the end"),
+        "target_accuracy": _f((int, float), 0.0, "fail (exit 1) if final test accuracy is below this",
+                              check=lambda v: 0 <= v <= 1, rule="in [0, 1]"),
+    },
+    "model": {
+        "name": _f(str, "mlp", "model", choices=("mlp", "cnn", "gpt")),
+        "hidden": _f(list, [256, 256], "mlp: hidden layer sizes", **_ints),
+        "activation": _f(str, "relu", "mlp: activation", choices=("relu", "gelu")),
+        "channels": _f(list, [16, 32], "cnn: channels of the two conv blocks", **_ints),
+        "dim": _f(int, 64, "gpt: embedding width", **_pos),
+        "heads": _f(int, 4, "gpt: attention heads (divides dim)", **_pos),
+        "layers": _f(int, 2, "gpt: transformer blocks", **_pos),
+        "dropout": _f((int, float), 0.0, "mlp/gpt: dropout probability", **_prob),
+    },
+    "data": {
+        "dataset": _f(str, "digits", "digits (scikit-learn, no download) | synthetic | text | hdf5",
+                      choices=("digits", "synthetic", "text", "hdf5")),
+        "path": _f(str, None, "hdf5: the dataset file; text: the text file (default data/sample.txt)"),
+        "cache_dir": _f(str, "results/data", "where generated HDF5 datasets are written"),
+        "batch_size": _f(int, 64, "GLOBAL batch size (split over data-parallel ranks)", **_pos),
+        "drop_last": _f(bool, True, "drop the last partial batch of an epoch (else: a short batch)"),
+        "shuffle": _f(bool, True, "reshuffle every epoch from the seed (same global order at any world size)"),
+        "test_fraction": _f((int, float), 0.2, "digits/synthetic/text: held-out fraction",
+                            check=lambda v: 0 < v < 1, rule="in (0, 1)"),
+        "samples": _f(int, 8192, "synthetic: number of samples", **_pos),
+        "features": _f(int, 64, "synthetic: input features", **_pos),
+        "classes": _f(int, 10, "synthetic: classes", check=lambda v: v >= 2, rule=">= 2"),
+        "block": _f(int, 64, "text: tokens per sequence", check=lambda v: v >= 2, rule=">= 2"),
+    },
+    "optim": {
+        "name": _f(str, "sgd", "optimizer in mpidist.optim's registry (sgd, adamw, lars, lamb, ...)"),
+        "lr": _f((int, float), 0.01, "peak learning rate", **_pos),
+        "hyper": _f(dict, {}, "other optimizer arguments, e.g. {momentum = 0.9, weight_decay = 1e-4}"),
+        "schedule": _f(str, "constant", "learning-rate schedule after warm-up",
+                       choices=("constant", "cosine", "linear")),
+        "warmup_steps": _f(int, 0, "linear warm-up steps from 0 to lr", **_nonneg),
+        "min_lr": _f((int, float), 0.0, "final learning rate of cosine/linear decay", **_nonneg),
+    },
+    "parallel": {
+        "strategy": _f(str, "dp", "dp | zero | pipeline | ps | admm",
+                       choices=("dp", "zero", "pipeline", "ps", "admm")),
+        "algorithm": _f(str, "auto", "allreduce algorithm (ring, tree, dbtree, hierarchical, "
+                        "recursive_doubling, rabenseifner, native, auto)",
+                        choices=("auto", "ring", "tree", "dbtree", "hierarchical", "recursive_doubling",
+                                 "rabenseifner", "native")),
+        "bucket_mb": _f((int, float), 4.0, "gradient bucket size in MiB (0 = one bucket after backward)", **_nonneg),
+        "compression": _f(str, "none", "gradient compressor in mpidist.compress's registry, or none"),
+        "accumulation": _f(int, 1, "micro-steps accumulated per optimizer step", **_pos),
+        "stage": _f(int, 1, "zero: ZeRO stage", choices=(1, 2, 3)),
+        "stages": _f(int, 2, "pipeline: pipeline stages (divides the world size)", **_pos),
+        "microbatches": _f(int, 4, "pipeline: micro-batches per step", **_pos),
+        "schedule": _f(str, "1f1b", "pipeline: schedule name in mpidist.pipeline.schedules"),
+        "recompute": _f(bool, False, "pipeline: recompute activations in backward"),
+        "consistency": _f(str, "bsp", "ps: bsp | ssp | asp", choices=("bsp", "ssp", "asp")),
+        "servers": _f(int, 1, "ps: number of server ranks", **_pos),
+        "staleness": _f(int, 0, "ps/ssp: bound on worker clock skew", **_nonneg),
+        "straggler": _f((int, float), 0.0, "ps: seconds of delay injected per step on the last worker", **_nonneg),
+        "rho": _f((int, float), 1.0, "admm: penalty parameter", **_pos),
+    },
+    "checkpoint": {
+        "interval": _f(int, 0, "save every N steps; 0 = only at the end if dir is set", **_nonneg),
+        "dir": _f(str, None, "checkpoint directory (default <out_dir>/checkpoints when interval > 0)"),
+        "keep": _f(int, 2, "checkpoints kept", **_pos),
+        "resume": _f(bool, False, "resume from the latest checkpoint in dir"),
+    },
+}
+
+# [parallel] keys that only mean something for one strategy: set elsewhere -> an error.
+STRATEGY_KEYS = {
+    "zero": ("stage",),
+    "pipeline": ("stages", "microbatches", "schedule", "recompute"),
+    "ps": ("consistency", "servers", "staleness", "straggler"),
+    "admm": ("rho",),
+}
+_MODEL_KEYS = {"mlp": ("hidden", "activation", "dropout"), "cnn": ("channels",),
+               "gpt": ("dim", "heads", "layers", "dropout")}
+
+
+def _type_name(types) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a table"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _type_ok(value, types) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def _unknown(what: str, key: str, known) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {what} {key!r}{hint}; valid: {', '.join(sorted(known))}"
+
+
+def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> dict:
+    """Check every section and key; return the full config with defaults, or raise ConfigError."""
+    errors: list[str] = []
+    cfg: dict = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("the config must be a TOML table")
+    for sec in raw:
+        if sec not in SCHEMA:
+            errors.append(_unknown("section", f"[{sec}]", [f"[{s}]" for s in SCHEMA]))
+        elif not isinstance(raw[sec], dict):
+            errors.append(f"[{sec}] must be a table")
+    given_keys: dict[str, set] = {}
+    for sec, fields in SCHEMA.items():
+        given = raw.get(sec, {}) if isinstance(raw.get(sec, {}), dict) else {}
+        given_keys[sec] = set(given)
+        out = {}
+        for key in given:
+            if key not in fields:
+                errors.append(f"[{sec}] " + _unknown("key", key, fields))
+        for key, f in fields.items():
+            v = given.get(key, f.default)
+            if key in given:
+                if not _type_ok(v, f.types):
+                    errors.append(f"[{sec}] {key} = {v!r}: must be {_type_name(f.types)}")
+                elif f.choices is not None and v not in f.choices:
+                    errors.append(f"[{sec}] {key} = {v!r}: choose one of {', '.join(map(repr, f.choices))}")
+                elif f.check is not None and not f.check(v):
+                    errors.append(f"[{sec}] {key} = {v!r}: must be {f.rule}")
+            out[key] = float(v) if float in f.types and isinstance(v, int) and not isinstance(v, bool) else v
+        cfg[sec] = out
+
+    # cross-key rules
+    strategy = cfg["parallel"]["strategy"]
+    for strat, keys in STRATEGY_KEYS.items():
+        for key in keys:
+            if key in given_keys["parallel"] and strat != strategy:
+                errors.append(f"[parallel] {key} applies to strategy = {strat!r} only (this job uses {strategy!r})")
+    model = cfg["model"]["name"]
+    for key in given_keys["model"] - {"name"}:
+        if key in SCHEMA["model"] and key not in _MODEL_KEYS.get(model, ()):
+            errors.append(f"[model] {key} does not apply to model {model!r} (it takes {', '.join(_MODEL_KEYS[model])})")
+    ds = cfg["data"]["dataset"]
+    if (model == "gpt") != (ds == "text"):
+        errors.append(f"[model] name = {model!r} does not fit [data] dataset = {ds!r} "
+                      "(the gpt model trains on dataset = 'text'; mlp/cnn on the others)")
+    if ds == "hdf5" and not cfg["data"]["path"]:
+        errors.append("[data] dataset = 'hdf5' needs path = '<file>.h5'")
+    if ds in ("hdf5", "text") and cfg["data"]["path"] and not os.path.exists(cfg["data"]["path"]):
+        errors.append(f"[data] path = {cfg['data']['path']!r}: no such file")
+    if model == "gpt" and cfg["model"]["dim"] % cfg["model"]["heads"]:
+        errors.append(f"[model] dim = {cfg['model']['dim']} must be divisible by heads = {cfg['model']['heads']}")
+    if cfg["job"]["epochs"] == 0 and cfg["job"]["steps"] == 0:
+        errors.append("[job] set epochs > 0 or steps > 0")
+    if world_size is not None:
+        if strategy == "pipeline" and world_size % cfg["parallel"]["stages"]:
+            errors.append(f"[parallel] stages = {cfg['parallel']['stages']} must divide the {world_size} ranks")
+        if strategy == "ps" and cfg["parallel"]["servers"] >= world_size:
+            errors.append(f"[parallel] servers = {cfg['parallel']['servers']} leaves no worker among {world_size} ranks")
+    if cfg["parallel"]["compression"] != "none":
+        errors += _check_registry("mpidist.compress", "compressor", cfg["parallel"]["compression"],
+                                  "[parallel] compression")
+    errors += _check_optimizer(cfg["optim"])
+    if not errors:
+        errors += _check_model(cfg)
+
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    cfg["job"]["name"] = cfg["job"]["name"] or name
+    cfg["job"]["out_dir"] = cfg["job"]["out_dir"] or os.path.join("results", cfg["job"]["name"])
+    if cfg["checkpoint"]["interval"] > 0 and not cfg["checkpoint"]["dir"]:
+        cfg["checkpoint"]["dir"] = os.path.join(cfg["job"]["out_dir"], "checkpoints")
+    if ds == "text" and not cfg["data"]["path"]:
+        cfg["data"]["path"] = default_text_path()
+    return cfg
+
+
+def default_text_path() -> str:
+    """The sample text shipped in the repository's data/ directory."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "data", "sample.txt")
+
+
+def _check_registry(module: str, what: str, name: str, where: str) -> list[str]:
+    import importlib
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError:
+        return [f"{where} = {name!r}: {module} is not available in this installation"]
+    registry = getattr(mod, "COMPRESSORS", None)
+    if registry is not None and name not in registry:
+        return [f"{where} = {name!r}: unknown {what}; choose one of {', '.join(sorted(registry))}"]
+    return []
+
+
+def _check_optimizer(o: dict) -> list[str]:
+    """Build the optimizer on a two-tensor layout: its registry and constructor check the names."""
+    from mpidist.flat import Layout
+    try:
+        from mpidist.optim import build_optimizer
+    except ModuleNotFoundError as exc:
+        return [f"[optim] mpidist.optim is not available: {exc}"]
+    if not isinstance(o["hyper"], dict):
+        return []
+    for reserved in ("lr", "offset", "count"):
+        if reserved in o["hyper"]:
+            return [f"[optim] hyper.{reserved}: set it as [optim] {reserved} (or not at all)"]
+    try:
+        build_optimizer(o["name"], Layout([("w", (2, 2)), ("b", (2,))]), lr=o["lr"], **o["hyper"])
+    except (TypeError, ValueError) as exc:
+        return [f"[optim] {exc}"]
+    return []
+
+
+def _check_model(cfg: dict) -> list[str]:
+    """Construct the model for a stand-in dataset shape, so bad sizes fail here, not on 4 ranks."""
+    from mpidist.nn import build_model, data_kwargs
+    meta = {"in_shape": (1, 8, 8), "classes": 10, "vocab": 256, "block": cfg["data"]["block"]}
+    kw = {k: cfg["model"][k] for k in _MODEL_KEYS[cfg["model"]["name"]]}
+    try:
+        build_model(cfg["model"]["name"], **kw, **data_kwargs(cfg["model"]["name"], meta))
+    except (TypeError, ValueError) as exc:
+        return [f"[model] {exc}"]
+    return []
+
+
+def load_toml(path: str) -> dict:
+    """Parse a TOML file; ConfigError with the parser's line/column on a syntax error."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+
+
+def load_config(path: str, comm, overrides: dict | None = None) -> dict:
+    """Collective: rank 0 reads and validates; every rank gets the config or the same ConfigError."""
+    result = None
+    if comm.rank == 0:
+        try:
+            raw = load_toml(path)
+            for dotted, value in (overrides or {}).items():
+                sec, key = dotted.split(".", 1)
+                raw.setdefault(sec, {})[key] = value
+            stem = os.path.splitext(os.path.basename(path))[0]
+            result = ("ok", validate(raw, name=stem, world_size=comm.size))
+        except ConfigError as exc:
+            result = ("error", str(exc))
+        except Exception as exc:  # a bug in validation must not leave the other ranks waiting
+            result = ("error", f"config validation failed: {type(exc).__name__}: {exc}")
+    status, payload = comm.comm.bcast(result, root=0)
+    if status == "error":
+        raise ConfigError(payload)
+    return payload
+
+
+def format_schema() -> str:
+    """The schema as annotated TOML, for --show-schema and the docs."""
+    lines = []
+    for sec, fields in SCHEMA.items():
+        lines.append(f"[{sec}]")
+        for key, f in fields.items():
+            choice = f" ({' | '.join(map(str, f.choices))})" if f.choices else ""
+            lines.append(f"# {f.doc}{choice}")
+            lines.append(f"{key} = {_toml_value(f.default)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if v is None:
+        return '""   # unset'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, dict):
+        return "{}"
+    return repr(v)
