@@ -132,6 +132,8 @@ _MODEL_KEYS = {"mlp": ("hidden", "activation", "dropout"), "cnn": ("channels",),
 def _type_name(types) -> str:
     names = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
              list: "a list", dict: "a table"}
+    if int in types and float in types:
+        return "a number"
     return " or ".join(names.get(t, t.__name__) for t in types)
 
 
@@ -233,7 +235,7 @@ def _check_registry(module: str, what: str, name: str, where: str) -> list[str]:
     import importlib
     try:
         mod = importlib.import_module(module)
-    except ModuleNotFoundError:
+    except ImportError:
         return [f"{where} = {name!r}: {module} is not available in this installation"]
     registry = getattr(mod, "COMPRESSORS", None)
     if registry is not None and name not in registry:
@@ -246,7 +248,7 @@ def _check_optimizer(o: dict) -> list[str]:
     from mpidist.flat import Layout
     try:
         from mpidist.optim import build_optimizer
-    except ModuleNotFoundError as exc:
+    except ImportError as exc:
         return [f"[optim] mpidist.optim is not available: {exc}"]
     if not isinstance(o["hyper"], dict):
         return []

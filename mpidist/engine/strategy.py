@@ -73,7 +73,7 @@ def strategy_factory(name: str):
     module, attr = STRATEGIES[name].split(":")
     try:
         mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
+    except ImportError as exc:
         raise ConfigError(f"parallel.strategy {name!r} is not available in this installation "
                           f"({module} cannot be imported: {exc})") from None
     if not hasattr(mod, attr):
