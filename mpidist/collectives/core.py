@@ -1,0 +1,198 @@
+"""The public collectives: argument checks, the mismatch guard, device staging and half
+precision widening around the algorithms of the registry.
+
+Semantics: `allreduce(buf)` reduces in place and returns buf (as a gradient allreduce
+wants); with `out=` the result goes to out and buf is left unchanged. `reduce_scatter` and
+`allgather` return new arrays unless `out=` is given.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpidist.collectives import guard, native, ring, select
+from mpidist.collectives.ops import accumulator_dtype, check_dtype, get_op
+from mpidist.collectives.scratch import same_view
+from mpidist.collectives.registry import ALGORITHMS, get_algorithm
+from mpidist.comm import as_communicator
+from mpidist.kernels.backend import get_array_module, is_cupy
+from mpidist.partition import chunk, counts_displs
+
+__all__ = ["allreduce", "reduce_scatter", "allgather"]
+
+_PARTS = {"ring": ring, "native": native}
+
+
+def _flat(x, what: str):
+    """A 1-D view of a contiguous NumPy/CuPy array; TypeError/ValueError otherwise."""
+    if not (isinstance(x, np.ndarray) or is_cupy(x)):
+        raise TypeError(f"{what} must be a NumPy or CuPy array, got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous; pass np.ascontiguousarray({what})")
+    check_dtype(x.dtype)
+    return x.reshape(-1)
+
+
+def _check_out(out, like, n: int, what: str):
+    out_flat = _flat(out, "out")
+    if out.dtype != like.dtype:
+        raise TypeError(f"out has dtype {out.dtype} but {what} has {like.dtype}; they must match")
+    if out_flat.size != n:
+        raise ValueError(f"out has {out_flat.size} elements, {n} expected")
+    if type(out) is not type(like):
+        raise TypeError("out and the input must both be NumPy or both CuPy arrays")
+    return out_flat
+
+
+def _overlap(a, b) -> bool:
+    if is_cupy(a):
+        lo_a, lo_b = a.data.ptr, b.data.ptr
+        return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+    return np.shares_memory(a, b)
+
+
+def _to_acc(c, x):
+    """(buffer for MPI, widened?) for x: the float32 copy of half data, or c.to_mpi(x)."""
+    acc = accumulator_dtype(x.dtype)
+    if acc != x.dtype:
+        return c.to_mpi(x.astype(acc)), True
+    return c.to_mpi(x), False
+
+
+def _store(c, src, dst, widened: bool) -> None:
+    """Copy an MPI-side result src back into the caller's dst (narrowing half precision)."""
+    if widened:
+        src = src.astype(dst.dtype)
+        if is_cupy(dst) and not is_cupy(src):
+            dst.set(src)
+        else:
+            dst[...] = src
+        return
+    c.from_mpi(src, dst)
+
+
+def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
+    """Reduce `buf` over all ranks of `comm`; every rank gets the same bits.
+
+    op: "sum", "avg", "min", "max", "prod". algorithm: a name in ALGORITHMS or "auto"
+    (cheapest by the cost model). out=None reduces in place and returns buf; otherwise the
+    result goes to out (same dtype and size) and out is returned.
+    """
+    c = as_communicator(comm)
+    error, signature = None, None
+    try:
+        x = _flat(buf, "buf")
+        opx = get_op(op)
+        if algorithm != "auto":
+            get_algorithm(algorithm)
+        y = x if out is None else _check_out(out, buf, x.size, "buf")
+        if y is not x and _overlap(x, y):
+            raise ValueError("out overlaps buf; pass out=None to reduce in place")
+        signature = f"allreduce(n={x.size}, dtype={x.dtype}, op={opx.name}, algorithm={algorithm})"
+    except (TypeError, ValueError) as exc:
+        error = exc
+    guard.check(c, signature, error)
+    result = buf if out is None else out
+    if x.size == 0:
+        return result
+    name = select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) \
+        if algorithm == "auto" else algorithm
+    fn = ALGORITHMS[name]
+    sbuf, widened = _to_acc(c, x)
+    if y is x:
+        fn(c, sbuf, sbuf, opx)
+        _store(c, sbuf, x, widened)
+    else:
+        rbuf = sbuf if widened else c.to_mpi(y)
+        fn(c, sbuf, rbuf, opx)
+        _store(c, rbuf, y, widened)
+    return result
+
+
+def _part_module(algorithm: str):
+    try:
+        return _PARTS[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {algorithm!r} for reduce_scatter/allgather; "
+                         f"valid: {', '.join(_PARTS)}") from None
+
+
+def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="ring"):
+    """Reduce `buf` over all ranks and return my shard: elements chunk(len(buf), rank, size).
+
+    out: optional array of exactly that shard's length (may be that chunk of buf itself).
+    algorithm: "ring" (pipelined, bandwidth-optimal) or "native" (MPI_Reduce_scatter).
+    """
+    c = as_communicator(comm)
+    error, signature = None, None
+    try:
+        x = _flat(buf, "buf")
+        opx = get_op(op)
+        part = _part_module(algorithm)
+        offset, count = chunk(x.size, c.rank, c.size)
+        y = get_array_module(x).empty(count, dtype=x.dtype) if out is None else \
+            _check_out(out, buf, count, "buf")
+        in_place = count > 0 and _overlap(x, y)
+        if in_place and not same_view(x[offset:offset + count], y):
+            raise ValueError(f"out overlaps buf other than as this rank's chunk "
+                             f"buf[{offset}:{offset + count}]")
+        signature = (f"reduce_scatter(n={x.size}, dtype={x.dtype}, op={opx.name}, "
+                     f"algorithm={algorithm})")
+    except (TypeError, ValueError) as exc:
+        error = exc
+    guard.check(c, signature, error)
+    result = y if out is None else out
+    if x.size == 0:
+        return result
+    sbuf, widened = _to_acc(c, x)
+    if widened or (in_place and part is native):      # MPI's reduce-scatter can not alias
+        rbuf = get_array_module(sbuf).empty(count, dtype=sbuf.dtype)
+    else:
+        rbuf = c.to_mpi(y)
+    part.reduce_scatter(c, sbuf, rbuf, opx, finalize_n=c.size)
+    _store(c, rbuf, y, widened)
+    return result
+
+
+def allgather(shard, *, comm=None, out=None, algorithm="ring"):
+    """Gather every rank's shard into the full array; shard r holds chunk(n, r, size).
+
+    Without out, n is the sum of the shard lengths (checked against the chunk() partition).
+    algorithm: "ring" or "native" (MPI_Allgatherv).
+    """
+    c = as_communicator(comm)
+    error, signature = None, None
+    try:
+        s = _flat(shard, "shard")
+        part = _part_module(algorithm)
+        if out is None:
+            n = None
+        else:
+            yo = _flat(out, "out")
+            if out.dtype != shard.dtype or type(out) is not type(shard):
+                raise TypeError(f"out ({type(out).__name__} {out.dtype}) must match the shard "
+                                f"({type(shard).__name__} {shard.dtype})")
+            n = yo.size
+            if s.size != chunk(n, c.rank, c.size)[1]:
+                raise ValueError(f"shard has {s.size} elements but chunk({n}, {c.rank}, "
+                                 f"{c.size}) has {chunk(n, c.rank, c.size)[1]}")
+        signature = f"allgather(dtype={s.dtype}, n={n}, algorithm={algorithm})"
+    except (TypeError, ValueError) as exc:
+        error = exc
+    guard.check(c, signature, error)
+    if out is None:
+        counts = c.comm.allgather(s.size)
+        n = sum(counts)
+        if counts != counts_displs(n, c.size)[0]:
+            raise ValueError(f"shard lengths {counts} do not follow the chunk() partition of "
+                             f"{n} elements, {counts_displs(n, c.size)[0]}; pass out= or fix "
+                             f"the shards")
+        yo = get_array_module(s).empty(n, dtype=s.dtype)
+        out = yo
+    if n == 0:
+        return out
+    raw = np.dtype(f"u{s.dtype.itemsize}")            # no arithmetic: move the bits
+    sb = c.to_mpi(s).view(raw)
+    ob = c.to_mpi(yo)
+    part.allgather(c, sb, ob.view(raw))
+    c.from_mpi(ob, yo)
+    return out

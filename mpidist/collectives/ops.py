@@ -1,0 +1,90 @@
+"""Reduction operators and the dtypes they run on.
+
+An `Op` pairs a NumPy ufunc (used by mpidist's own algorithms, in place with out=) with the
+MPI.Op of the same meaning (used by the native algorithm). "avg" reduces with + and divides
+once, on the single reduced copy, so every rank still ends with the same bits.
+
+Half precision (float16, ml_dtypes.bfloat16) is reduced in float32 accumulators: the
+public layer widens the buffer once, runs the algorithm in float32 and rounds once at the
+end, so a long reduction does not lose bits at every hop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Op", "OPS", "get_op", "SUPPORTED_DTYPES", "check_dtype", "accumulator_dtype",
+           "reduce_into"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """A reduction: `ufunc(a, b, out=)` combines, `finalize(x, n)` post-processes once."""
+    name: str
+    ufunc: np.ufunc
+    mpi_op: MPI.Op
+    average: bool = False
+
+    def finalize(self, x, n: int) -> None:
+        """Divide the reduced sum by the number of contributors n (only for "avg")."""
+        if not self.average or n == 1 or x.size == 0:
+            return
+        if x.dtype.kind in "iu":
+            np.floor_divide(x, n, out=x)       # integer average rounds toward -inf
+        else:
+            np.divide(x, x.dtype.type(n), out=x)
+
+    @property
+    def base(self) -> "Op":
+        """The op without its finalize step (avg -> sum), for reductions nested in a larger one."""
+        return OPS["sum"] if self.average else self
+
+
+OPS: dict[str, Op] = {
+    "sum": Op("sum", np.add, MPI.SUM),
+    "avg": Op("avg", np.add, MPI.SUM, average=True),
+    "min": Op("min", np.minimum, MPI.MIN),
+    "max": Op("max", np.maximum, MPI.MAX),
+    "prod": Op("prod", np.multiply, MPI.PROD),
+}
+
+
+def get_op(op) -> Op:
+    """The Op for a name (or an Op itself); ValueError listing the valid names otherwise."""
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str) and op.lower() in OPS:
+        return OPS[op.lower()]
+    raise ValueError(f"unknown reduction op {op!r}; valid ops: {', '.join(OPS)}")
+
+
+SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
+    np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64))
+_HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def check_dtype(dtype) -> np.dtype:
+    """The dtype if mpidist reduces it; TypeError naming the supported ones otherwise."""
+    dt = np.dtype(dtype)
+    if dt not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"dtype {dt} is not supported by mpidist collectives; use one of {names}")
+    return dt
+
+
+def accumulator_dtype(dtype) -> np.dtype:
+    """float32 for float16/bfloat16, the dtype itself otherwise."""
+    dt = np.dtype(dtype)
+    return np.dtype(np.float32) if dt in _HALF else dt
+
+
+def reduce_into(op: Op, a, b, out) -> None:
+    """out = a (op) b, elementwise, without temporaries; device work finished before return
+    so MPI may send `out` right away."""
+    op.ufunc(a, b, out=out)
+    if type(out).__module__.split(".")[0] == "cupy":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()

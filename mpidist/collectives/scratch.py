@@ -1,0 +1,51 @@
+"""Preallocated scratch buffers, reused across calls so a collective allocates nothing
+in steady state. One set per communicator (the async worker has its own communicator,
+so it never shares a buffer with the caller's thread)."""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from mpidist.kernels.backend import get_array_module
+
+__all__ = ["scratch", "release", "same_view"]
+
+_buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def scratch(comm, slot: int, count: int, dtype, like=None):
+    """A 1-D array of `count` elements for (comm, slot), on the device of `like`.
+
+    The contents are undefined; the memory stays cached (grown when a call needs more)
+    until `release(comm)`.
+    """
+    xp = np if like is None else get_array_module(like)
+    dt = np.dtype(dtype)
+    per_comm = _buffers.setdefault(comm, {})
+    key = (slot, xp.__name__)
+    buf = per_comm.get(key)
+    nbytes = count * dt.itemsize
+    if buf is None or buf.nbytes < nbytes:
+        buf = xp.empty(max(nbytes, 64), dtype=np.uint8)
+        per_comm[key] = buf
+    return buf[:nbytes].view(dt)
+
+
+def release(comm=None) -> None:
+    """Drop the cached scratch memory of one communicator (or of all)."""
+    if comm is None:
+        _buffers.clear()
+    else:
+        _buffers.pop(comm, None)
+
+
+def same_view(a, b) -> bool:
+    """True when a and b are the same 1-D view of the same memory (no copy needed)."""
+    if a is b:
+        return True
+    if a.size != b.size or a.dtype != b.dtype or type(a) is not type(b):
+        return False
+    ptr = (lambda x: x.data.ptr) if hasattr(a.data, "ptr") else \
+        (lambda x: x.__array_interface__["data"][0])
+    return ptr(a) == ptr(b)
