@@ -84,10 +84,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "name": _f(str, "sgd", "optimizer in mpidist.optim's registry (sgd, adamw, lars, lamb, ...)"),
         "lr": _f((int, float), 0.01, "peak learning rate", **_pos),
         "hyper": _f(dict, {}, "other optimizer arguments, e.g. {momentum = 0.9, weight_decay = 1e-4}"),
-        "schedule": _f(str, "constant", "learning-rate schedule after warm-up",
-                       choices=("constant", "cosine", "linear")),
+        "schedule": _f(str, "constant", "learning-rate schedule after warm-up (mpidist.optim.schedules)",
+                       choices=("constant", "cosine", "poly")),
         "warmup_steps": _f(int, 0, "linear warm-up steps from 0 to lr", **_nonneg),
-        "min_lr": _f((int, float), 0.0, "final learning rate of cosine/linear decay", **_nonneg),
+        "end_lr": _f((int, float), 0.0, "final learning rate of cosine/poly decay", **_nonneg),
     },
     "parallel": {
         "strategy": _f(str, "dp", "dp | zero | pipeline | ps | admm",

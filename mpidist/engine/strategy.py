@@ -43,7 +43,8 @@ from mpidist.partition import chunk
 
 __all__ = ["Strategy", "StateDict", "TensorPiece", "InMemoryState", "STRATEGIES", "register_strategy",
            "build_strategy", "strategy_factory", "flat_pieces", "replicated_pieces", "read_flat",
-           "gather_state", "build_model_from_config", "build_optimizer_from_config", "METRIC_KEYS"]
+           "gather_state", "build_model_from_config", "build_optimizer_from_config", "lr_schedule",
+           "METRIC_KEYS"]
 
 # Keys every train_step result has (values identical on all ranks except the t_* timings).
 METRIC_KEYS = ("loss", "correct", "count", "t_compute", "t_comm", "t_optim")
@@ -186,19 +187,35 @@ def build_model_from_config(config: dict, meta: dict):
     return build_model(config["model"]["name"], **kw, **data_kwargs(config["model"]["name"], meta))
 
 
+def lr_schedule(config: dict):
+    """The [optim] learning rate: a number, or a schedule callable(step) over job.total_steps."""
+    o = config["optim"]
+    if o["schedule"] == "constant" and o["warmup_steps"] == 0:
+        return o["lr"]
+    from mpidist.optim.schedules import build_schedule
+
+    total = max(config["job"]["total_steps"], o["warmup_steps"])
+    return build_schedule(o["schedule"], o["lr"], total, warmup_steps=o["warmup_steps"], end_lr=o["end_lr"])
+
+
 def build_optimizer_from_config(config: dict, layout, offset: int = 0, count: int | None = None):
-    """The [optim] section -> mpidist.optim optimizer over global elements [offset, offset+count)."""
+    """The [optim] section -> mpidist.optim optimizer over global elements [offset, offset+count).
+
+    Needs config["job"]["total_steps"], which the training loop fills in before it builds
+    the strategy (it depends on the dataset size).
+    """
     from mpidist.optim import build_optimizer
 
     o = config["optim"]
-    return build_optimizer(o["name"], layout, lr=o["lr"], **o["hyper"], offset=offset, count=count)
+    return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"], offset=offset, count=count)
 
 
 # ---------------------------------------------------------------------------- the interface
 class Strategy(abc.ABC):
     """Base class of dp / zero / pipeline / ps / admm.
 
-    config: the validated job config (plain nested dict, every key present, see engine.config);
+    config: the validated job config (plain nested dict, every key present, see engine.config),
+      plus config["job"]["total_steps"] filled in by the loop;
     comm: the mpidist Communicator of the whole job; meta: the dataset's metadata
     ({"kind": "classification", "in_shape", "classes"} or {"kind": "lm", "vocab", "block"}).
     Subclasses set data_rank / data_size if their data split is not one replica per rank.
