@@ -49,7 +49,6 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "steps": _f(int, 0, "optimizer steps to run; 0 = run `epochs` epochs", **_nonneg),
         "out_dir": _f(str, None, "where metrics, plots and checkpoints go (default results/<name>)"),
         "eval_every": _f(int, 0, "evaluate every N steps; 0 = at the end of each epoch", **_nonneg),
-        "dtype": _f(str, "float32", "parameter dtype", choices=("float32", "float64")),
         "progress": _f(bool, True, "tqdm progress bar on rank 0"),
         "plot": _f(bool, True, "write a PNG plot of the run at the end"),
         "target_accuracy": _f((int, float), 0.0, "fail (exit 1) if final test accuracy is below this",

@@ -1,0 +1,97 @@
+"""Data parallelism: every rank holds the whole model, reads its rows of the global batch, and
+the DistributedOptimizer sums gradients across ranks while backward runs."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mpidist.engine.distributed import DistributedOptimizer
+from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config, build_optimizer_from_config,
+                                     read_flat, replicated_pieces)
+from mpidist.nn import SoftmaxCrossEntropy, materialize
+from mpidist.partition import chunk
+
+__all__ = ["DataParallel"]
+
+
+class DataParallel(Strategy):
+    """[parallel] strategy = "dp": algorithm, bucket_mb, compression, accumulation.
+
+    The loss is summed over samples and scaled by 1 / (global batch), and gradients are summed
+    across ranks: the result is the gradient of the global mean loss whatever the split, so
+    p ranks train exactly like one rank with the same global batch (up to summation order).
+    accumulation = k splits this rank's rows into k micro-batches, sending only after the last.
+    """
+    name = "dp"
+
+    def __init__(self, config: dict, comm, meta: dict):
+        super().__init__(config, comm, meta)
+        p = config["parallel"]
+        self.model = build_model_from_config(config, meta)
+        self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32, seed=config["job"]["seed"])
+        self.optimizer = build_optimizer_from_config(config, self.layout)
+        self.dopt = DistributedOptimizer(self.optimizer, self.params, self.grads, comm=comm,
+                                         algorithm=p["algorithm"], bucket_mb=p["bucket_mb"],
+                                         accumulation=p["accumulation"], op="sum",
+                                         compression=None if p["compression"] == "none" else p["compression"])
+        self.dopt.attach(self.model)
+        self.loss = SoftmaxCrossEntropy()
+        self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1
+
+    def train_step(self, x, y, global_count: int | None = None) -> dict:
+        rows = 0 if x is None else len(x)
+        if global_count is None:
+            global_count = self.comm.comm.allreduce(rows)
+        scale = 1.0 / (global_count * self.tokens)
+        k = self.dopt.accumulation
+        t0 = time.perf_counter()
+        loss_sum = correct = 0.0
+        for i in range(k):
+            lo, n = chunk(rows, i, k)
+            logits = self.model.forward(x[lo:lo + n], train=True)
+            l, c = self.loss.forward(logits, y[lo:lo + n])
+            loss_sum, correct = loss_sum + l, correct + c
+            self.model.backward(self.loss.backward(scale))
+            if i < k - 1:
+                self.dopt.step()
+        t_fwd_bwd = time.perf_counter() - t0
+        info = self.dopt.step(stats=[loss_sum, correct, rows * self.tokens])
+        self.step += 1
+        total_loss, total_correct, count = info["stats"]
+        return {"loss": total_loss / max(count, 1), "correct": int(total_correct), "count": int(count),
+                "t_compute": t_fwd_bwd - info["t_launch"], "t_comm": info["t_launch"] + info["t_wait"],
+                "t_optim": info["t_optim"], "skipped": info["skipped"], "lr": info.get("lr", float("nan"))}
+
+    def evaluate(self, x, y) -> dict:
+        loss_sum = correct = 0.0
+        count = 0 if x is None else len(x) * self.tokens
+        if count:
+            loss_sum, correct = self.loss.forward(self.model.forward(x, train=False), y)
+        totals = self.comm.comm.allreduce(np.array([loss_sum, correct, count], dtype=np.float64))
+        return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
+
+    def predict(self, x):
+        """Logits of this rank's inputs (no communication)."""
+        return self.model.forward(x, train=False)
+
+    def state_dict(self) -> StateDict:
+        r, s = self.comm.rank, self.comm.size
+        tensors = replicated_pieces("params", self.layout, self.params.data, r, s)
+        for name, buf in sorted(self.optimizer.state_buffers().items()):
+            tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, s))
+        return StateDict(self.step, tensors, {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name})
+
+    def load_state_dict(self, source) -> None:
+        read_flat(source, "params", self.layout, self.params.data)
+        for name, buf in self.optimizer.state_buffers().items():
+            read_flat(source, f"optim/{name}", self.layout, buf)
+        self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
+        self.step = int(source.step)
+        self.dopt.zero_grad()
+
+    def memory_report(self) -> dict:
+        optim = sum(int(b.nbytes) for b in self.optimizer.state_buffers().values())
+        rep = {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes), "optim": optim}
+        rep["total"] = sum(rep.values())
+        return rep
