@@ -1,0 +1,297 @@
+"""CPU (Numba) kernels of the gradient compressors: one pass over the input each.
+
+The per-element formulas are leaf scalar functions (`_f16_bits`, `_bf16_bits`, `_uniform`,
+`_qsgd_code`) that call nothing else, so the GPU module compiles the very same Python
+source (`.py_func`) with numba.cuda: the formula is written once for both devices.
+
+Integer arithmetic stays in explicitly typed unsigned values (no mixed signed/unsigned
+promotion to float, no 64-bit overflow), which keeps the scalar functions exact under
+Numba CPU, numba.cuda and the CUDA simulator alike.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "sign_encode",
+           "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "hash_uniform",
+           "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add",
+           "qsgd_width"]
+
+_M32 = np.uint64(0xFFFFFFFF)
+_ABS = np.uint32(0x7FFFFFFF)
+_INF32 = np.uint32(0x7F800000)
+
+
+# ---------------------------------------------------------------- scalar formulas (CPU + GPU)
+@njit(cache=True)
+def _f16_bits(b, k):
+    """float32 bits b, times 2**k, rounded to the nearest-even float16 bit pattern.
+
+    Zero and float32 subnormals (|x| < 2**-126) give signed zero; NaN stays NaN, inf and
+    overflow give inf; results below the float16 normal range become float16 subnormals.
+    """
+    b = np.uint32(b)
+    sign = np.uint32((b >> np.uint32(16)) & np.uint32(0x8000))
+    e = np.int32((b >> np.uint32(23)) & np.uint32(0xFF))
+    m = np.uint32(b & np.uint32(0x7FFFFF))
+    if e == 255:
+        return np.uint16(sign | (np.uint32(0x7E00) if m != 0 else np.uint32(0x7C00)))
+    if e == 0:
+        return np.uint16(sign)
+    he = np.int32(e + k - 112)           # float16 biased exponent (127 - 15 = 112)
+    if he >= 31:
+        return np.uint16(sign | np.uint32(0x7C00))
+    if he <= 0:
+        if he < -10:
+            return np.uint16(sign)
+        mant = m | np.uint32(0x800000)
+        shift = np.uint32(14 - he)
+        h = mant >> shift
+        rem = mant & ((np.uint32(1) << shift) - np.uint32(1))
+        half = np.uint32(1) << (shift - np.uint32(1))
+        if rem > half or (rem == half and (h & np.uint32(1)) != 0):
+            h += np.uint32(1)
+        return np.uint16(sign | h)
+    h = (np.uint32(he) << np.uint32(10)) | (m >> np.uint32(13))
+    rem = m & np.uint32(0x1FFF)
+    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (h & np.uint32(1)) != 0):
+        h += np.uint32(1)                # a carry rolls into the exponent (or to inf)
+    return np.uint16(sign | h)
+
+
+@njit(cache=True)
+def _bf16_bits(b):
+    """float32 bits b rounded to the nearest-even bfloat16 bit pattern (NaN kept quiet)."""
+    b = np.uint32(b)
+    if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+    lsb = (b >> np.uint32(16)) & np.uint32(1)
+    return np.uint16((np.uint64(b) + np.uint64(0x7FFF) + np.uint64(lsb)) >> np.uint64(16))
+
+
+@njit(cache=True)
+def _uniform(seed, i):
+    """Counter-based uniform in [0, 1) of (seed, i): a 32-bit integer mixer (lowbias32).
+
+    Products are of 32-bit values in 64-bit registers, so nothing overflows anywhere.
+    """
+    x = ((np.uint64(i) * np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)) ^ \
+        (np.uint64(seed) & np.uint64(0xFFFFFFFF))
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(0xFFFFFFFF)
+    x ^= x >> np.uint64(16)
+    return np.float32(x >> np.uint64(8)) * np.float32(1.0 / 16777216.0)
+
+
+@njit(cache=True)
+def _qsgd_code(v, s_over_norm, levels, u, width):
+    """QSGD code of v: sign bit | level, level = floor(|v| / norm * s + u) (unbiased)."""
+    lev = np.int32(abs(v) * s_over_norm + u)
+    if lev > levels:
+        lev = levels
+    code = np.uint32(lev)
+    if v < 0:
+        code |= np.uint32(1) << np.uint32(width - 1)
+    return code
+
+
+# ---------------------------------------------------------------- reductions and checks
+@njit(cache=True)
+def absmax_bits(bits):
+    """max |x| as float32 bit patterns (monotonic for non-negative floats); > 0x7F800000
+    marks a NaN, == 0x7F800000 an inf."""
+    best = np.uint32(0)
+    for i in range(bits.size):
+        a = bits[i] & _ABS
+        if a > best:
+            best = a
+    return best
+
+
+@njit(cache=True)
+def all_finite(bits):
+    """True when no float32 (given as uint32 bits) is inf or NaN."""
+    bad = 0
+    for i in range(bits.size):
+        bad |= (bits[i] & _ABS) >= _INF32
+    return bad == 0
+
+
+# ---------------------------------------------------------------- fp16 / bf16 casting
+@njit(cache=True)
+def fp16_encode(bits, k, out):
+    """out[i] = float16(x[i] * 2**k), round to nearest even (bits: x viewed as uint32)."""
+    for i in range(bits.size):
+        out[i] = _f16_bits(bits[i], k)
+
+
+@njit(cache=True)
+def bf16_encode(bits, out):
+    """out[i] = bfloat16(x[i]), round to nearest even."""
+    for i in range(bits.size):
+        out[i] = _bf16_bits(bits[i])
+
+
+# ---------------------------------------------------------------- 1-bit sign, per-chunk scale
+@njit(cache=True)
+def sign_encode(x, chunk, packed, scales):
+    """scale_c = mean |x| over chunk c; bit i = (x[i] >= 0), 8 per byte, bit 0 first.
+
+    Decoded value: +scale or -scale. chunk is a multiple of 8, so bytes never straddle.
+    """
+    n = x.size
+    for c in range(scales.size):
+        lo = c * chunk
+        hi = min(n, lo + chunk)
+        s = 0.0
+        for i in range(lo, hi):
+            s += abs(x[i])
+        scales[c] = s / (hi - lo)
+    for j in range(packed.size):
+        base = 8 * j
+        v = 0
+        for t in range(min(8, n - base)):
+            if x[base + t] >= 0:
+                v |= 1 << t
+        packed[j] = v
+
+
+@njit(cache=True)
+def sign_decode_add(packed, scales, chunk, out):
+    """out[i] += (+scale or -scale) of element i."""
+    n = out.size
+    for j in range(packed.size):
+        base = 8 * j
+        s = scales[base // chunk]
+        v = packed[j]
+        for t in range(min(8, n - base)):
+            out[base + t] += s if (v >> t) & 1 else -s
+
+
+# ---------------------------------------------------------------- QSGD, s levels, bit-packed
+def qsgd_width(levels: int) -> int:
+    """Bits per element: sign + level, rounded up to 2, 4 or 8 so codes never straddle bytes."""
+    need = 1 + int(levels).bit_length()
+    for w in (2, 4, 8):
+        if need <= w:
+            return w
+    raise ValueError(f"QSGD levels must be in [1, 127], got {levels}")
+
+
+@njit(cache=True, inline="always")
+def _qsgd_pack(x, lo, hi, scale, levels, seed, codes, width):
+    """Codes of x[lo:hi] into bytes lo/per .. (hi-1)/per; inlined with a constant width, so
+    the packing loop is unrolled (a runtime width is 2.5x slower)."""
+    per = 8 // width
+    for j in range(lo // per, (hi + per - 1) // per):
+        v = np.uint32(0)
+        for t in range(per):
+            i = j * per + t
+            if i < hi:
+                code = _qsgd_code(x[i], scale, levels, _uniform(seed, i), width)
+                v |= code << np.uint32(t * width)
+        codes[j] = v
+
+
+@njit(cache=True)
+def qsgd_encode(x, levels, bucket, width, seed, codes, norms):
+    """norm_b = max |x| over bucket b; code = sign | floor(|x|/norm * s + u), u ~ U[0,1)
+    from (seed, i); codes packed 8/width per byte, lowest bits first."""
+    n = x.size
+    for b in range(norms.size):
+        lo = b * bucket
+        hi = min(n, lo + bucket)
+        m = np.float32(0.0)
+        for i in range(lo, hi):
+            a = abs(x[i])
+            if a > m:
+                m = a
+        norms[b] = m
+        scale = np.float32(levels) / m if m > 0 else np.float32(0.0)
+        # bucket is a multiple of 8, so a byte lies inside one bucket
+        if width == 2:
+            _qsgd_pack(x, lo, hi, scale, levels, seed, codes, 2)
+        elif width == 4:
+            _qsgd_pack(x, lo, hi, scale, levels, seed, codes, 4)
+        else:
+            _qsgd_pack(x, lo, hi, scale, levels, seed, codes, 8)
+
+
+@njit(cache=True)
+def qsgd_decode_add(codes, norms, levels, bucket, width, out):
+    """out[i] += sign * norm * level / s."""
+    n = out.size
+    per = 8 // width
+    mask = (1 << (width - 1)) - 1
+    for j in range(codes.size):
+        v = np.int64(codes[j])
+        for t in range(min(per, n - j * per)):
+            i = j * per + t
+            code = (v >> (t * width)) & ((1 << width) - 1)
+            q = norms[i // bucket] * (code & mask) / levels
+            out[i] += -q if code >> (width - 1) else q
+
+
+# ---------------------------------------------------------------- random-k (stratified)
+@njit(cache=True)
+def randomk_indices(n, k, seed, out):
+    """One index per stratum [b*n/k, (b+1)*n/k): k distinct, sorted, from (seed, b)."""
+    for b in range(k):
+        lo = (b * n) // k
+        hi = ((b + 1) * n) // k
+        out[b] = lo + min(hi - lo - 1, np.int64(_uniform(seed, b) * (hi - lo)))
+
+
+# ---------------------------------------------------------------- top-k by threshold
+@njit(cache=True)
+def sample_abs(x, seed, out):
+    """|x| at out.size pseudo-random positions (a sample for the threshold estimate)."""
+    n = x.size
+    for j in range(out.size):
+        out[j] = abs(x[min(n - 1, np.int64(_uniform(seed, j) * n))])
+
+
+@njit(cache=True)
+def collect_above(x, thr, idx):
+    """Indices i (ascending) with |x[i]| >= thr into idx; returns how many there are
+    (may exceed idx.size: then idx holds the first idx.size of them)."""
+    c = 0
+    cap = idx.size
+    for i in range(x.size):
+        if abs(x[i]) >= thr:
+            if c < cap:
+                idx[c] = i
+            c += 1
+    return c
+
+
+@njit(cache=True)
+def select_k(x, cand, kth, k, idx, vals):
+    """The k largest |x| among candidates, in ascending index order: every |x| > kth, then
+    the first ones equal to kth until k are taken."""
+    above = 0
+    for j in range(cand.size):
+        if abs(x[cand[j]]) > kth:
+            above += 1
+    ties = k - above
+    c = 0
+    for j in range(cand.size):
+        i = cand[j]
+        a = abs(x[i])
+        if a > kth or (a == kth and ties > 0):
+            if a == kth:
+                ties -= 1
+            idx[c] = i
+            vals[c] = x[i]
+            c += 1
+    return c
+
+
+@njit(cache=True)
+def scatter_add(idx, vals, out):
+    """out[idx[j]] += vals[j] (duplicates add up)."""
+    for j in range(idx.size):
+        out[idx[j]] += vals[j]

@@ -1,0 +1,318 @@
+"""The compressed allreduce: the average over ranks of each rank's compressed gradient,
+with the exact number of bytes each rank sent.
+
+Three ways, by the compressor's aggregation:
+- gather (top-k, sign, QSGD; fp16/bf16 on request): every rank's payload travels round a
+  ring allgather; every rank then decompresses all p payloads, in rank order, and sums.
+  Rank r sends every payload except its right neighbour's: (p-1) payloads' worth.
+- ring (fp16, bf16): a ring reduce-scatter whose hops carry encoded partial sums
+  (decode, add my fp32 chunk, re-encode), then a ring allgather of the encoded owned
+  chunks: 2(p-1)/p of the encoded gradient, like an uncompressed ring but half the bytes.
+- linear (random-k with shared indices, PowerSGD): the compressed coordinates add up, so
+  they go through a float32 ring allreduce (the compressor's `reduce`).
+Every rank ends with the bitwise-same result: sums are formed once (at a chunk's owner,
+or in rank order) and then copied.
+
+Bytes are counted where they leave: the messages of the gradient exchange (payloads,
+their 8-byte length headers and alignment padding). The per-call agreement (one
+allgather of a few dozen bytes: shapes, options, inf/NaN flags) is not counted.
+
+Safety: before any data moves, one allgather agrees on each rank's local validation,
+(compressor options, length, dtype, call number) and inf/NaN. A bad input or mismatch
+raises on every rank; inf/NaN either raises everywhere (nonfinite="raise") or skips the
+step on every rank (nonfinite="skip": residuals untouched, a NaN result, counted in
+`skipped_steps`), so a NaN never reaches an error-feedback residual.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.comm import as_communicator
+from mpidist.compress.base import Compressor, kernels_for
+from mpidist.errors import MismatchError, RemoteError
+from mpidist.kernels.backend import get_array_module, to_numpy
+from mpidist.partition import counts_displs
+
+__all__ = ["CompressedAllreduce", "ring_allreduce_bytes", "pack", "unpack"]
+
+_ALGORITHMS = ("auto", "gather", "ring", "linear")
+_NONFINITE = ("raise", "skip")
+_TAG = 0x5C0
+
+
+def _pad8(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def pack(payload) -> np.ndarray:
+    """One uint8 message: int64 element counts, then each array's bytes padded to 8."""
+    arrays = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in payload]
+    out = np.zeros(8 * len(arrays) + sum(_pad8(a.nbytes) for a in arrays), dtype=np.uint8)
+    out[:8 * len(arrays)].view(np.int64)[:] = [a.size for a in arrays]
+    off = 8 * len(arrays)
+    for a in arrays:
+        out[off:off + a.nbytes] = a.view(np.uint8)
+        off += _pad8(a.nbytes)
+    return out
+
+
+def unpack(buf: np.ndarray, dtypes) -> tuple:
+    """The arrays of a pack()ed message (aligned views into buf)."""
+    m = len(dtypes)
+    counts = buf[:8 * m].view(np.int64)
+    off, out = 8 * m, []
+    for count, dt in zip(counts, dtypes):
+        nbytes = int(count) * np.dtype(dt).itemsize
+        out.append(buf[off:off + nbytes].view(dt))
+        off += _pad8(nbytes)
+    return tuple(out)
+
+
+def ring_allreduce_bytes(n: int, size: int, rank: int, itemsize: int = 4) -> int:
+    """Bytes rank sends in an uncompressed ring allreduce of n elements: every chunk but
+    one in the reduce-scatter and every chunk but one in the allgather (~2(p-1)/p * n)."""
+    if size == 1:
+        return 0
+    counts, _ = counts_displs(n, size)
+    return itemsize * (2 * n - counts[(rank + 1) % size] - counts[(rank + 2) % size])
+
+
+class _Ring:
+    """Ring exchanges over a communicator, counting the bytes this rank sends."""
+
+    def __init__(self, comm):
+        self.comm = comm.comm
+        self.rank, self.size = comm.rank, comm.size
+        self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.sent = 0
+
+    def shift(self, buf: np.ndarray) -> np.ndarray:
+        """Send buf to the right neighbour; return what the left one sent (any length)."""
+        req = self.comm.Isend([buf, MPI.BYTE], dest=self.right, tag=_TAG)
+        status = MPI.Status()
+        self.comm.Probe(source=self.left, tag=_TAG, status=status)
+        out = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+        self.comm.Recv([out, MPI.BYTE], source=self.left, tag=_TAG)
+        req.Wait()
+        self.sent += buf.nbytes
+        return out
+
+    def allgather(self, mine: np.ndarray) -> list:
+        """Every rank's uint8 message, in rank order (p-1 shifts, forwarding)."""
+        blocks = [None] * self.size
+        blocks[self.rank] = mine
+        for s in range(self.size - 1):
+            # send block (r - s), receive block (r - s - 1)
+            blocks[(self.rank - s - 1) % self.size] = self.shift(blocks[(self.rank - s) % self.size])
+        return blocks
+
+    def allreduce(self, x: np.ndarray, encode, decode) -> np.ndarray:
+        """In-place sum of float32 x over ranks; hops carry encode(chunk) messages and
+        decode(message, count) -> float32 gives them back."""
+        p, r = self.size, self.rank
+        if p == 1:
+            return x
+        counts, displs = counts_displs(x.shape[0], p)
+
+        def part(c):
+            return x[displs[c]:displs[c] + counts[c]]
+
+        # 1. reduce-scatter: at hop s send chunk r-s, add the received chunk r-s-1
+        for s in range(p - 1):
+            c = (r - s - 1) % p
+            part(c)[...] += decode(self.shift(encode(part((r - s) % p))), counts[c])
+        # 2. my chunk r+1 now holds the full sum; keep its encoded form, so every rank
+        #    ends with the same numbers
+        own = (r + 1) % p
+        msg = encode(part(own))
+        part(own)[...] = decode(msg, counts[own])
+        # 3. allgather the encoded sums: at hop s forward chunk r+1-s, receive chunk r-s
+        for s in range(p - 1):
+            msg = self.shift(msg)
+            c = (r - s) % p
+            part(c)[...] = decode(msg, counts[c])
+        return x
+
+
+def _raw_encode(chunk: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(chunk).view(np.uint8)
+
+
+def _raw_decode(msg: np.ndarray, count: int) -> np.ndarray:
+    return msg.view(np.float32)
+
+
+class CompressedAllreduce:
+    """avg = ca(grad_flat, layout): the compressed average over the ranks of `comm`.
+
+    compressor: a Compressor (make_compressor(name, ...)); its residual is this rank's.
+    algorithm: "auto" (the compressor's own aggregation), "gather", "ring", "linear".
+    warmup_steps: the first calls run an uncompressed float32 ring allreduce.
+    nonfinite: "raise" or "skip" when any rank's gradient holds inf/NaN.
+    After a call: bytes_sent (that call), total_bytes_sent, step, skipped_steps,
+    last_skipped.
+    """
+
+    def __init__(self, compressor: Compressor, comm=None, *, algorithm: str = "auto",
+                 warmup_steps: int = 0, nonfinite: str = "raise"):
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a Compressor (make_compressor(name, ...)), "
+                            f"got {type(compressor).__name__}")
+        if algorithm not in _ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(_ALGORITHMS)}, "
+                             f"got {algorithm!r}")
+        agg = compressor.aggregation
+        algorithm = agg if algorithm == "auto" else algorithm
+        if algorithm != agg and not (algorithm == "gather" and agg == "ring"):
+            raise ValueError(f"compressor {compressor.name!r} aggregates by {agg!r}; "
+                             f"algorithm {algorithm!r} does not apply (use 'auto')")
+        if algorithm == "ring" and compressor.error_feedback:
+            raise ValueError(f"{compressor.name!r} with error feedback needs "
+                             f"algorithm='gather' (a ring re-quantizes partial sums, which "
+                             f"no single rank's residual can account for)")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
+                or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(_NONFINITE)}, "
+                             f"got {nonfinite!r}")
+        self.compressor = compressor
+        self.comm = as_communicator(comm)
+        self.algorithm = algorithm
+        self.warmup_steps = int(warmup_steps)
+        self.nonfinite = nonfinite
+        compressor.stream = self.comm.rank      # independent randomness per rank
+        self.step = 0
+        self.bytes_sent = 0
+        self.total_bytes_sent = 0
+        self.skipped_steps = 0
+        self.last_skipped = False
+
+    def __repr__(self) -> str:
+        return (f"CompressedAllreduce({self.compressor!r}, algorithm={self.algorithm!r}, "
+                f"warmup_steps={self.warmup_steps}, ranks={self.comm.size})")
+
+    # ---------------------------------------------------------------- agreement
+    def _agree(self, grad, layout) -> bool:
+        """Collective: raise on every rank for any rank's bad input or a mismatch; return
+        whether any rank's gradient holds inf/NaN."""
+        err, sig, bad = None, None, False
+        try:
+            if not hasattr(grad, "ndim") or grad.ndim != 1:
+                raise ValueError(f"the gradient must be a 1-D flat array, got "
+                                 f"{getattr(grad, 'shape', type(grad).__name__)}")
+            if grad.dtype.kind != "f":
+                raise TypeError(f"the gradient must be floating point, got {grad.dtype}")
+            if layout is not None and layout.numel != grad.shape[0]:
+                raise ValueError(f"layout has {layout.numel} elements, gradient "
+                                 f"{grad.shape[0]}")
+            sig = (self.compressor.config(), self.algorithm, self.warmup_steps,
+                   int(grad.shape[0]), str(grad.dtype), self.step,
+                   None if layout is None else [(s.name, s.shape) for s in layout])
+            work = get_array_module(grad).ascontiguousarray(grad, dtype=np.float32)
+            bad = not bool(kernels_for(work).all_finite(work.view(np.uint32)))
+        except (TypeError, ValueError) as exc:
+            err = exc
+        views = self.comm.comm.allgather((None if err is None else f"{type(err).__name__}: "
+                                          f"{err}", sig, bad))
+        failed = [(r, m) for r, (m, _, _) in enumerate(views) if m is not None]
+        if failed:
+            if err is not None:
+                raise err
+            raise RemoteError("compressed allreduce: bad input on rank(s) " +
+                              "; ".join(f"{r}: {m}" for r, m in failed))
+        sigs = [s for _, s, _ in views]
+        if any(s != sigs[0] for s in sigs):
+            differ = [r for r, s in enumerate(sigs) if s != sigs[self.comm.rank]]
+            raise MismatchError(f"compressed allreduce: ranks {differ} differ from rank "
+                                f"{self.comm.rank} in (compressor options, algorithm, "
+                                f"warm-up, length, dtype, call number, layout): "
+                                f"{sigs[self.comm.rank]} vs {sigs[differ[0]]}")
+        nonfinite = [r for r, (_, _, b) in enumerate(views) if b]
+        if nonfinite and self.nonfinite == "raise":
+            raise FloatingPointError(f"gradient holds inf/NaN on rank(s) {nonfinite}; nothing "
+                                     f"was sent and residuals are unchanged (use "
+                                     f"nonfinite='skip' with dynamic loss scaling)")
+        return bool(nonfinite)
+
+    # ---------------------------------------------------------------- the call
+    def __call__(self, grad, layout=None):
+        """The average over ranks of the compressed gradients (same shape and dtype)."""
+        skip = self._agree(grad, layout)
+        xp = get_array_module(grad)
+        ring = _Ring(self.comm)
+        p = self.comm.size
+        self.last_skipped = skip
+        if skip:
+            self.skipped_steps += 1
+            out = xp.full(grad.shape, np.nan, dtype=np.float32)
+        else:
+            work = xp.ascontiguousarray(grad, dtype=np.float32)
+            if self.step < self.warmup_steps:
+                # warm-up: the uncompressed float32 ring
+                out = xp.asarray(ring.allreduce(to_numpy(work).copy(), _raw_encode, _raw_decode))
+            elif self.algorithm == "gather":
+                out = self._gather(ring, work, layout)
+            elif self.algorithm == "ring":
+                out = self._ring(ring, work)
+            else:
+                out = self._linear(ring, work, layout)
+            out /= p
+        self.step += 1
+        self.bytes_sent = ring.sent
+        self.total_bytes_sent += ring.sent
+        return out.astype(grad.dtype, copy=False)
+
+    def _gather(self, ring: _Ring, x, layout):
+        """Allgather every rank's payload; decompress and sum them in rank order."""
+        c = self.compressor
+        payload, ctx = c.compress(x, layout)
+        dtypes = [a.dtype for a in payload]
+        xp = get_array_module(x)
+        out = xp.zeros(x.shape[0], dtype=np.float32)
+        for msg in ring.allgather(pack(payload)):
+            c.decode_add(tuple(xp.asarray(a) for a in unpack(msg, dtypes)), ctx, out)
+        return out
+
+    def _ring(self, ring: _Ring, x):
+        """Ring reduce-scatter and allgather on encoded chunks (fp16 / bf16)."""
+        c = self.compressor
+        host = to_numpy(x).copy()
+        dtypes = [a.dtype for a in c.encode(host[:0], None)[0]]
+
+        def encode(chunk):
+            return pack(c.encode(np.ascontiguousarray(chunk), None)[0])
+
+        def decode(msg, count):
+            return c.decompress(unpack(msg, dtypes), {"n": count})
+
+        if ring.size == 1:
+            host = decode(encode(host), host.shape[0])
+        else:
+            ring.allreduce(host, encode, decode)
+        c.step += 1
+        return get_array_module(x).asarray(host)
+
+    def _linear(self, ring: _Ring, x, layout):
+        """The compressor's own reduce, its sums done by the float32 ring."""
+        xp = get_array_module(x)
+
+        def allreduce_sum(a):
+            return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
+                                             _raw_encode, _raw_decode))
+
+        return self.compressor.reduce(x, layout, allreduce_sum)
+
+    # ---------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict:
+        """This rank's state (the residual is per rank: save one per rank)."""
+        return {"step": self.step, "skipped_steps": self.skipped_steps,
+                "total_bytes_sent": self.total_bytes_sent,
+                "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.compressor.load_state_dict(sd["compressor"])
+        self.step = int(sd["step"])
+        self.skipped_steps = int(sd["skipped_steps"])
+        self.total_bytes_sent = int(sd["total_bytes_sent"])

@@ -1,0 +1,179 @@
+"""The compressor interface and its error-feedback state.
+
+A compressor turns a flat float32 gradient into a payload (a tuple of arrays, the bytes
+that travel) and a context (what every rank can rebuild from the gradient's length and
+the step alone: nothing rank-dependent). Stateful compressors keep, per rank:
+- the error-feedback residual e: compress(x) encodes x + e and keeps e <- (x + e) - C(x + e),
+  so what was dropped is sent later (Seide et al. 1-bit SGD; Karimireddy et al. EF-signSGD);
+- a step counter, which seeds per-step randomness;
+- compressor-specific state (PowerSGD's warm-start Q).
+state_dict / load_state_dict checkpoint all of it.
+
+Aggregation tells the compressed allreduce how payloads combine:
+- "gather": payloads are allgathered, each rank decompresses every one and sums;
+- "ring": the format re-quantizes, so a ring reduce-scatter/allgather runs on encoded chunks;
+- "linear": payload coordinates add up across ranks (shared random indices, PowerSGD's
+  shared P), so they go through a plain sum-allreduce; see `reduce`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
+
+__all__ = ["Compressor", "step_seed", "check_ratio", "check_multiple_of_8", "kernels_for"]
+
+
+def kernels_for(x):
+    """The kernel module for x: Numba CPU kernels for NumPy, GPU kernels for CuPy."""
+    if is_cupy(x):
+        from mpidist.kernels import compress_gpu
+        return compress_gpu
+    from mpidist.kernels import compress_cpu
+    return compress_cpu
+
+
+def step_seed(*words: int) -> int:
+    """A well-mixed 32-bit seed from integers (seed, stream, step), equal on every machine."""
+    return int(np.random.SeedSequence([int(w) & 0xFFFFFFFF for w in words]).generate_state(1)[0])
+
+
+def check_ratio(ratio) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+        raise TypeError(f"ratio must be a number in (0, 1], got {type(ratio).__name__}")
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1] (the kept fraction, e.g. 0.01), got {ratio}")
+    return ratio
+
+
+def check_multiple_of_8(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 8 or value % 8:
+        raise ValueError(f"{what} must be a positive multiple of 8 (bytes never straddle "
+                         f"chunks), got {value}")
+    return int(value)
+
+
+class Compressor:
+    """Base class: compress(x) -> (payload, ctx), decompress(payload, ctx) -> x.
+
+    Subclasses implement `encode(x, layout) -> (payload, ctx)` and
+    `decode_add(payload, ctx, out)` (out += decompressed), and may override `residual_of`
+    with something cheaper than x - decompress(...).
+    """
+    name = ""
+    aggregation = "gather"
+
+    def __init__(self, *, error_feedback: bool, seed: int = 0):
+        if not isinstance(error_feedback, (bool, np.bool_)):
+            raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        self.error_feedback = bool(error_feedback)
+        self.seed = int(seed)
+        self.stream = 0        # set to the rank by the compressed allreduce (independent noise)
+        self.step = 0
+        self.residual = None
+
+    # ---------------------------------------------------------------- identity
+    def config(self) -> dict:
+        """Everything that must be equal on all ranks (checked by the compressed allreduce)."""
+        return {"name": self.name, "error_feedback": self.error_feedback, "seed": self.seed}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({args})"
+
+    # ---------------------------------------------------------------- the interface
+    def compress(self, x, layout=None):
+        """(payload, ctx) of x (plus the residual, with error feedback)."""
+        x = self._begin(x, layout)
+        payload, ctx = self.encode(x, layout)
+        self._end(x, payload, ctx)
+        return payload, ctx
+
+    def decompress(self, payload, ctx, out=None):
+        """The dense float32 vector a payload stands for (added into `out` if given)."""
+        if out is None:
+            xp = get_array_module(*payload)
+            out = xp.zeros(ctx["n"], dtype=np.float32)
+        self.decode_add(payload, ctx, out)
+        return out
+
+    def encode(self, x, layout):
+        raise NotImplementedError
+
+    def decode_add(self, payload, ctx, out) -> None:
+        raise NotImplementedError
+
+    def residual_of(self, x, payload, ctx):
+        """What compression dropped: x - decompress(payload)."""
+        r = x.copy()
+        r -= self.decompress(payload, ctx)
+        return r
+
+    @staticmethod
+    def payload_nbytes(payload) -> int:
+        return int(sum(a.nbytes for a in payload))
+
+    # ---------------------------------------------------------------- error feedback
+    def _begin(self, x, layout):
+        """Validate x, and add the residual (a new array: x itself is never modified)."""
+        xp = get_array_module(x)
+        if not hasattr(x, "ndim") or x.ndim != 1:
+            raise ValueError(f"{self.name}: compress takes a 1-D (flat) gradient, got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+        if x.dtype != np.float32:
+            raise TypeError(f"{self.name}: compress takes float32, got {x.dtype}; cast first "
+                            f"(the compressed allreduce does this for you)")
+        if layout is not None and layout.numel != x.shape[0]:
+            raise ValueError(f"{self.name}: layout has {layout.numel} elements, gradient "
+                             f"{x.shape[0]}")
+        x = xp.ascontiguousarray(x)
+        if not bool(kernels_for(x).all_finite(x.view(np.uint32))):
+            raise ValueError(f"{self.name}: the gradient holds inf or NaN; nothing was "
+                             f"compressed and the residual is unchanged (skip this step or "
+                             f"lower the loss scale)")
+        if not self.error_feedback:
+            return x
+        if self.residual is None or self.residual.shape != x.shape:
+            if self.residual is not None and self.step:
+                raise ValueError(f"{self.name}: gradient length changed from "
+                                 f"{self.residual.shape[0]} to {x.shape[0]}; one compressor "
+                                 f"serves one flat buffer (make one per buffer)")
+            self.residual = xp.zeros_like(x)
+        return x + self.residual
+
+    def _end(self, x, payload, ctx) -> None:
+        if self.error_feedback:
+            self.residual = self.residual_of(x, payload, ctx)
+        self.step += 1
+
+    # ---------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict:
+        """Per-rank state: step, residual (host copy, or None) and compressor extras."""
+        sd = {"config": self.config(), "step": self.step,
+              "residual": None if self.residual is None else to_numpy(self.residual).copy()}
+        sd.update(self._extra_state())
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("config") != self.config():
+            raise ValueError(f"checkpoint is for compressor {sd.get('config')}, this one is "
+                             f"{self.config()}; build the compressor with the same options")
+        self.step = int(sd["step"])
+        res = sd["residual"]
+        if res is None:
+            self.residual = None
+        else:
+            xp = get_array_module(self.residual) if self.residual is not None else np
+            self.residual = xp.asarray(np.asarray(res, dtype=np.float32)).copy()
+        self._load_extra_state(sd)
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, sd: dict) -> None:
+        return None

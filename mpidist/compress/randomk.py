@@ -1,0 +1,60 @@
+"""Random-k sparsification with error feedback, indices shared by all ranks.
+
+k = ceil(ratio * n) indices, one drawn in each of k equal strata of [0, n) from a seed
+that depends on (seed, step) only: every rank picks the same indices, so nobody sends
+them, and the values add up coordinate-wise in a plain sum-allreduce ("linear"
+aggregation: 2(p-1)/p * 4k bytes per rank instead of (p-1) * 8k for a gather).
+
+Payload: (values float32,). Bound: the residual is exactly x off the chosen indices;
+each entry is chosen with probability ~k/n, so E||x - C(x)||^2 ~ (1 - k/n) ||x||^2.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpidist.compress.base import Compressor, check_ratio, kernels_for, step_seed
+from mpidist.kernels.backend import get_array_module
+
+__all__ = ["RandomK"]
+
+
+class RandomK(Compressor):
+    """k stratified random entries (the same on every rank), with error feedback."""
+    name = "randomk"
+    aggregation = "linear"
+
+    def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True, seed: int = 0):
+        super().__init__(error_feedback=error_feedback, seed=seed)
+        self.ratio = check_ratio(ratio)
+
+    def config(self) -> dict:
+        return {**super().config(), "ratio": self.ratio}
+
+    def k_of(self, n: int) -> int:
+        return 0 if n == 0 else min(n, max(1, math.ceil(self.ratio * n)))
+
+    def encode(self, x, layout):
+        n = x.shape[0]
+        k = self.k_of(n)
+        xp = get_array_module(x)
+        idx = xp.empty(k, dtype=np.int64)
+        # shared randomness: (seed, step), never the rank
+        kernels_for(x).randomk_indices(n, k, step_seed(self.seed, self.step), idx)
+        return (x[idx],), {"n": n, "idx": idx}
+
+    def decode_add(self, payload, ctx, out) -> None:
+        out[ctx["idx"]] += payload[0]     # strata make the indices distinct
+
+    def residual_of(self, x, payload, ctx):
+        r = x.copy()
+        r[ctx["idx"]] = 0
+        return r
+
+    def reduce(self, x, layout, allreduce_sum):
+        """Sum over ranks of C_i(x_i): compress locally, sum the values, scatter once."""
+        x = self._begin(x, layout)
+        payload, ctx = self.encode(x, layout)
+        self._end(x, payload, ctx)
+        return self.decompress((allreduce_sum(payload[0]),), ctx)
