@@ -1,0 +1,6 @@
+"""`python -m mpidist ...` is `mpidist ...`."""
+import sys
+
+from mpidist.cli import main
+
+sys.exit(main())

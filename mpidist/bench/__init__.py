@@ -1,0 +1,1 @@
+"""Benchmarks: `mpidist bench NAME` runs `mpidist.bench.NAME.main(argv)`."""

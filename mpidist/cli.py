@@ -1,0 +1,104 @@
+"""`mpidist info | train | bench | explain | run`: the command-line entry points.
+
+Subcommands import their modules lazily, so `mpidist run` starts mpiexec without
+initialising MPI itself, and `mpidist --help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+__all__ = ["main", "info"]
+
+_DISPATCH = {
+    "train": ("mpidist.engine.train", "run a training job from a TOML config: mpidist train CONFIG"),
+    "explain": ("mpidist.collectives.select", "predicted vs measured time of every allreduce algorithm"),
+}
+
+
+def info(argv: list[str] | None = None) -> int:
+    """Print what this MPI job has: MPI library, ranks, nodes, CUDA-awareness, h5py, Numba, CuPy."""
+    parser = argparse.ArgumentParser(prog="mpidist info")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="simulate nodes of this many ranks (else MPIDIST_RANKS_PER_NODE)")
+    args = parser.parse_args(argv)
+    import platform
+    from mpi4py import MPI
+    import mpidist
+    from mpidist.comm import Communicator, mpi_library
+    from mpidist.kernels.backend import cupy_available, gpu_available
+
+    comm = Communicator(ranks_per_node=args.ranks_per_node)
+    hosts = comm.comm.gather(MPI.Get_processor_name(), root=0)
+    if comm.rank == 0:
+        import h5py
+        import numba
+        import numpy
+        rows = [
+            ("mpidist", mpidist.__version__),
+            ("MPI library", mpi_library()),
+            ("MPI standard", "%d.%d" % MPI.Get_version()),
+            ("mpi4py", __import__("mpi4py").__version__),
+            ("ranks", str(comm.size)),
+            ("hosts", ", ".join(sorted(set(hosts)))),
+            ("nodes", comm.describe()),
+            ("CUDA-aware MPI", "yes" if comm.cuda_aware else "no (CuPy buffers staged through host)"),
+            ("h5py", f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, "
+                     f"MPI-IO {'yes' if h5py.get_config().mpi else 'NO (rebuild with HDF5_MPI=ON)'}"),
+            ("NumPy / Numba", f"{numpy.__version__} / {numba.__version__}"),
+            ("CuPy", "yes, GPU present" if gpu_available() else
+                     ("installed, no GPU" if cupy_available() else "not installed")),
+            ("Python", f"{platform.python_version()} on {platform.machine()}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k:<{width}}  {v}")
+        sys.stdout.flush()
+    comm.free()
+    return 0
+
+
+def _bench_names() -> list[str]:
+    import mpidist.bench
+    return sorted(m.name for m in pkgutil.iter_modules(mpidist.bench.__path__)
+                  if not m.name.startswith("_"))
+
+
+def bench(argv: list[str]) -> int:
+    names = _bench_names()
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mpidist bench NAME [options]\nbenchmarks: " + (", ".join(names) or "none"))
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in names:
+        print(f"mpidist bench: unknown benchmark {name!r}; available: {', '.join(names)}",
+              file=sys.stderr)
+        return 2
+    return int(importlib.import_module(f"mpidist.bench.{name}").main(argv[1:]) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"info": "MPI, topology, h5py/Numba/CuPy support of this job",
+                "bench": "benchmarks: mpidist bench NAME (allreduce, optim, ...)",
+                "run": "start a command on N local ranks: mpidist run -n 4 -- CMD",
+                **{k: v for k, (_, v) in _DISPATCH.items()}}
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: mpidist COMMAND [options]\n\ncommands:")
+        for k, v in commands.items():
+            print(f"  {k:<8} {v}")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "info":
+        return info(rest)
+    if cmd == "bench":
+        return bench(rest)
+    if cmd == "run":
+        from mpidist.launcher import main as launch
+        return launch(rest)
+    if cmd in _DISPATCH:
+        return int(importlib.import_module(_DISPATCH[cmd][0]).main(rest) or 0)
+    print(f"mpidist: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
+    return 2

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Idempotent set-up of the mpidist environment: Debian's Open MPI + parallel HDF5, and a
+# virtual environment (kept outside the clone, keyed by the dependency list) with h5py built
+# against that HDF5. Prints the venv's path on its last line of stdout.
+# A second run takes seconds: nothing is rebuilt while scripts/requirements.txt is unchanged.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+log() { echo "[setup] $*" >&2; }
+
+# 1. Debian packages (Open MPI 4.1 and HDF5 1.10 with MPI-IO)
+debs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config)
+missing=()
+for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+# 2. the virtual environment, keyed by the dependency list and the Python version
+py=${MPIDIST_PYTHON:-python3}
+key=$( (cat "$here/scripts/requirements.txt"; echo h5py-mpi; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
+venv=${MPIDIST_VENV:-$root/venv-$key}
+if [ ! -f "$venv/.complete" ]; then
+  log "creating $venv (first run: about 3-4 minutes, h5py compiles against parallel HDF5)"
+  rm -rf "$venv"
+  $py -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip >&2
+  "$venv/bin/pip" install -q -r "$here/scripts/requirements.txt" >&2
+  log "building h5py against hdf5-openmpi"
+  CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi \
+    "$venv/bin/pip" install -q --no-binary=h5py --no-build-isolation h5py >&2
+  touch "$venv/.complete"
+fi
+
+# 3. the check that matters: h5py speaks MPI-IO
+if ! "$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)'; then
+  echo "[setup] ERROR: h5py in $venv was built without MPI (h5py.get_config().mpi is False)." >&2
+  echo "[setup] Remove $venv and re-run; check that libhdf5-openmpi-dev is installed and" >&2
+  echo "[setup] 'pkg-config --cflags hdf5-openmpi' works." >&2
+  exit 1
+fi
+
+# 4. mpidist itself, editable, re-pointed only when the checkout moved
+if ! (cd / && "$venv/bin/python" - "$here") <<'PY' 2>/dev/null
+import sys, pathlib, mpidist
+sys.exit(0 if pathlib.Path(mpidist.__file__).resolve().parent.parent == pathlib.Path(sys.argv[1]).resolve() else 1)
+PY
+then
+  log "installing mpidist (editable) from $here"
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
+fi
+echo "$venv"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The whole test suite: plain pytest (one rank, plus the tests that start their own
+# mpiexec), then under mpiexec at N = 2, 3, 4, and the communication core at N = 5.
+# Installs what it needs first (scripts/setup_env.sh; seconds when already set up).
+# Each run has a wall-clock limit, and each test a timeout, so a deadlock fails, never hangs.
+# Extra arguments go to every pytest run (e.g. -k allreduce, -x).
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=$(bash "$here/scripts/setup_env.sh" | tail -n 1) || { echo "environment set-up failed" >&2; exit 1; }
+# shellcheck disable=SC1091
+source "$venv/bin/activate"
+cd "$here"
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$HOME/.cache/mpidist/numba}
+out=$(mktemp -d /tmp/mpidist-tests.XXXXXX)
+limit=${MPIDIST_TEST_RUN_LIMIT:-900}
+status=0
+
+run() {  # run LABEL NRANKS PYTEST-ARGS...
+  local label=$1 n=$2; shift 2
+  local logdir="$out/$label"; mkdir -p "$logdir"
+  echo "=== $label: $n rank(s), limit ${limit}s ==="
+  local start=$SECONDS
+  if [ "$n" = plain ]; then
+    MPIDIST_TEST_LOGDIR=$logdir timeout -k 20 "$limit" \
+      python -m mpidist.launcher --env-only -- python -m pytest --junitxml="$out/$label.xml" "$@"
+  else
+    MPIDIST_TEST_LOGDIR=$logdir timeout -k 20 "$limit" \
+      python -m mpidist.launcher -n "$n" -- python -m pytest --junitxml="$out/$label.xml" "$@"
+  fi
+  local rc=$?
+  echo "=== $label: exit $rc in $((SECONDS - start)) s ==="
+  if [ $rc -ne 0 ]; then
+    status=1
+    [ $rc -eq 124 ] && echo "!!! $label hit the ${limit}s run limit (deadlock?)"
+    for f in "$logdir"/rank*.log; do [ -s "$f" ] && { echo "--- $f (tail)"; tail -n 40 "$f"; }; done
+  fi
+}
+
+run n1 plain tests "$@"
+for n in 2 3 4; do run "n$n" "$n" tests "$@"; done
+run n5 5 tests/test_comm.py tests/test_harness.py tests/collectives "$@"
+
+python - "$out" <<'PY' || status=1
+import glob, sys, xml.etree.ElementTree as ET
+tot = dict(tests=0, failures=0, errors=0, skipped=0)
+for f in sorted(glob.glob(sys.argv[1] + "/*.xml")):
+    for s in ET.parse(f).getroot().iter("testsuite"):
+        for k in tot:
+            tot[k] += int(s.get(k, 0))
+failed = tot["failures"] + tot["errors"]
+passed = tot["tests"] - failed - tot["skipped"]
+print(f"total: {passed} passed, {failed} failed, {tot['skipped']} skipped")
+sys.exit(1 if failed or passed == 0 else 0)
+PY
+exit $status

@@ -1,0 +1,64 @@
+"""The harness itself: deadlocks fail within the timeout; one rank's failure fails all."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpidist import launcher
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_pytest(tmp_path, n, body, *args, limit=120):
+    """Run a throw-away test file with the real conftest under mpiexec -n n."""
+    shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_case.py").write_text(body)
+    env = launcher.mpi_env(n)
+    env["MPIDIST_TEST_LOGDIR"] = str(tmp_path)
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no",
+            str(tmp_path / "test_case.py"), *args]
+    start = time.monotonic()
+    proc = subprocess.run(launcher.mpiexec_argv(n, argv), env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=limit)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.launcher
+def test_deadlock_is_stopped_and_reported(tmp_path):
+    body = (
+        "from mpi4py import MPI\n"
+        "def test_deadlock(comm):\n"
+        "    if comm.rank == 0:\n"
+        "        comm.comm.recv(source=1, tag=99)   # never sent: rank 0 blocks forever\n"
+        "    comm.comm.Barrier()\n")
+    proc, took = run_pytest(tmp_path, 2, body, "--timeout=5")
+    assert proc.returncode != 0
+    assert took < 60, f"deadlock not stopped in time ({took:.0f} s)"
+    assert "Timeout" in proc.stdout + proc.stderr
+
+
+@pytest.mark.launcher
+def test_failure_on_one_rank_fails_everywhere(tmp_path):
+    body = (
+        "def test_one_rank_fails(comm):\n"
+        "    assert comm.rank != 1, 'rank 1 disagrees'\n"
+        "def test_all_pass(comm):\n"
+        "    assert comm.comm.allreduce(1) == comm.size\n")
+    proc, _ = run_pytest(tmp_path, 3, body, "-rf")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # rank 0 passed its assertion, yet reports the failure and names rank 1
+    assert "failed on rank(s) [1] of 3" in proc.stdout
+    assert "1 failed, 1 passed" in proc.stdout
+    assert "rank 1 disagrees" in (tmp_path / "rank1.log").read_text()
+
+
+@pytest.mark.launcher
+def test_header_names_mpi_library_and_ranks(tmp_path):
+    proc, _ = run_pytest(tmp_path, 2, "def test_ok():\n    pass\n")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from mpidist.comm import mpi_library
+    assert f"mpi: {mpi_library()}" in proc.stdout
+    assert "mpi ranks: 2" in proc.stdout
