@@ -1,0 +1,247 @@
+"""The part of a ZeRO step every stage shares; the stages differ in what a rank keeps whole.
+
+    ZeroEngine.train_step(x, y):
+      1. forward and backward            (stage 3: each layer's parameters gathered around it)
+      2. gradients onto their owners     (stage 1: one reduce-scatter after backward;
+                                          stages 2, 3: bucket by bucket during backward)
+      3. optimizer on my shard           (fp32 master and states of [offset, offset+count) only;
+                                          LARS/LAMB norms summed over the shards first)
+      4. parameters back to every rank   (stages 1, 2: allgather; stage 3: nothing, gathered
+                                          on demand in the next forward)
+
+Shards are the chunk() partition of the flat layout (Layout.shard), uneven sizes allowed.
+Gradients are SUMMED across ranks with the loss normalised by the global batch, as the
+data-parallel engine does, so a step equals the data-parallel step on the same global batch.
+"""
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+
+from mpidist.collectives import allreduce
+from mpidist.comm import as_communicator
+from mpidist.engine.strategy import StateDict, flat_pieces, read_flat
+from mpidist.flat import Layout
+from mpidist.kernels.backend import get_array_module
+from mpidist.nn.loss import SoftmaxCrossEntropy
+from mpidist.zero.exchange import ShardMap
+from mpidist.zero.memory import InFlight, MemoryReport, nbytes
+from mpidist.zero.units import find_units, placeholder
+
+__all__ = ["ZeroEngine", "PARAM_DTYPES", "check_stage"]
+
+PARAM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def check_stage(stage) -> int:
+    """The ZeRO stage as an int in 1..3, or a ValueError saying what is allowed."""
+    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r} (1: shard optimizer "
+                         f"states, 2: and gradients, 3: and parameters)")
+    return int(stage)
+
+
+def param_dtype(dtype) -> np.dtype:
+    """float32, float16 or bfloat16 (names accepted), else a ValueError listing them."""
+    names = {"float32": np.float32, "fp32": np.float32, "float16": np.float16,
+             "fp16": np.float16, "bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16}
+    try:
+        dt = np.dtype(names.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    except TypeError:
+        dt = None
+    if dt not in PARAM_DTYPES:
+        raise ValueError(f"parameter dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return dt
+
+
+class ZeroEngine:
+    """Model + optimizer, partitioned over a data-parallel communicator (base of the stages).
+
+    model: an mpidist.nn Module (unbound: the engine lays out and binds its parameters);
+    make_optimizer(layout, offset, count, param_dtype) -> an mpidist optimizer over that range;
+    dtype: parameter and gradient dtype (fp16/bf16: the optimizer keeps fp32 masters);
+    seed: initial parameters, identical to model.init_params(np.random.default_rng(seed));
+    bucket_mb: gradient bucket size (stages 2, 3); max_in_flight: buckets/layers in flight.
+    Construction is collective over comm.
+    """
+    stage = 0
+
+    def __init__(self, model, make_optimizer, *, comm=None, dtype=np.float32, seed: int = 0,
+                 bucket_mb: float = 4.0, max_in_flight: int = 2, xp=np):
+        self.comm = as_communicator(comm)
+        error = None
+        try:
+            self.dtype = param_dtype(dtype)
+            if not callable(make_optimizer):
+                raise TypeError("make_optimizer must be a callable(layout, offset, count, "
+                                "param_dtype) -> optimizer")
+            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
+                raise ValueError(f"bucket_mb must be a number >= 0, got {bucket_mb!r}")
+            if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+                raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+            self.layout = Layout(model.param_shapes())
+            self.units = find_units(model, self.layout)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        self.comm.raise_if_any(error)
+        self.comm.check_same([(s.name, s.shape) for s in self.layout], "model parameter layout")
+        self.model, self.xp = model, xp
+        self.bucket_elems = max(1, int(bucket_mb * (1 << 20)) // self.dtype.itemsize)
+        self.max_in_flight = max_in_flight
+        self.shards = ShardMap(self.comm, self.layout.numel)
+        self.offset, self.count = self.shards.offset, self.shards.count
+        self.inflight = InFlight()
+        self.loss = SoftmaxCrossEntropy()
+        self.step = 0
+        self._setup(np.random.default_rng(seed))
+        self.optimizer = make_optimizer(self.layout, self.offset, self.count, self.dtype)
+
+    # ------------------------------------------------------------------ per stage
+    def _setup(self, rng) -> None:
+        """Allocate and initialise parameters/gradients and bind the model."""
+        raise NotImplementedError
+
+    def _begin_step(self) -> None:
+        """Before forward: zero what backward accumulates into (and _begin_forward)."""
+        raise NotImplementedError
+
+    def _finish_grads(self) -> None:
+        """After backward: my shard of the summed gradients is in self.grad_shard()."""
+        raise NotImplementedError
+
+    def _publish_params(self) -> None:
+        """After the optimizer step: make the new parameters visible where forward needs them."""
+        raise NotImplementedError
+
+    def param_shard(self):
+        """My shard of the parameters, [offset, offset+count), 1-D (live)."""
+        raise NotImplementedError
+
+    def grad_shard(self):
+        """My shard of the summed gradients (valid after backward), 1-D (live)."""
+        raise NotImplementedError
+
+    def _held(self) -> tuple[list, list]:
+        """(parameter arrays, gradient arrays) this rank keeps between steps."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the step
+    def _placeholders(self, dtype) -> dict:
+        return {s.name: placeholder(self.xp, dtype, s.shape) for s in self.layout}
+
+    def _reduce_norms(self, partials):
+        """Per-segment partial sums of squares -> summed over the shards (LARS/LAMB)."""
+        return allreduce(np.ascontiguousarray(partials), op="sum", comm=self.comm)
+
+    def forward_backward(self, x, y, global_count: int):
+        """Steps 1-2 only: forward, loss, backward; the summed gradient shard is ready."""
+        self._begin_step()
+        logits = self.model.forward(x, train=True)
+        self._end_forward()
+        loss_sum, correct = self.loss.forward(logits, y)
+        self.model.backward(self.loss.backward(1.0 / global_count))
+        self._finish_grads()
+        return loss_sum, correct
+
+    def train_step(self, x, y, global_count: int | None = None) -> dict:
+        """One step on this rank's rows; returns loss (global mean), correct, count, timings."""
+        count = int(np.asarray(y).size)
+        if global_count is None:
+            global_count = self.comm.comm.allreduce(count)
+        self.inflight.reset_peak()
+        self._t_comm = 0.0
+        t0 = time.perf_counter()
+        loss_sum, correct = self.forward_backward(x, y, global_count)
+        t1, comm_in_backward = time.perf_counter(), self._t_comm
+        g = self.grad_shard()
+        finite = self.comm.all(bool(get_array_module(g).isfinite(g).all()))
+        self.info = self.optimizer.step(self.param_shard(), g, reduce_norms=self._reduce_norms,
+                                        finite=finite)
+        t2 = time.perf_counter()
+        self._publish_params()
+        t3 = time.perf_counter()
+        totals = self.comm.comm.allreduce(np.array([loss_sum, correct, count], np.float64))
+        self.step += 1
+        return {"loss": float(totals[0] / max(1.0, totals[2])), "correct": int(totals[1]),
+                "count": int(totals[2]), "t_compute": t1 - t0 - comm_in_backward,
+                "t_comm": comm_in_backward + (t3 - t2), "t_optim": t2 - t1,
+                "skipped": bool(self.info.skipped)}
+
+    def _timed_wait(self, pending):
+        t = time.perf_counter()
+        out = pending.wait()
+        self._t_comm += time.perf_counter() - t
+        return out
+
+    def evaluate(self, x, y) -> dict:
+        """Loss summed, correct and count over every rank's rows (same on all ranks)."""
+        self._begin_forward()
+        logits = self.model.forward(x, train=False)
+        self._end_forward()
+        loss_sum, correct = self.loss.forward(logits, y)
+        totals = self.comm.comm.allreduce(np.array([loss_sum, correct, np.asarray(y).size],
+                                                   np.float64))
+        return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
+
+    def _begin_forward(self) -> None:
+        """Before a forward (stage 3: plan the gathers)."""
+
+    def _end_forward(self) -> None:
+        """After a forward (stage 3: release what it gathered, plan backward's gathers)."""
+
+    # ------------------------------------------------------------------ views for tests/tools
+    def full_params(self):
+        """Collective: the whole flat parameter vector on every rank (small models, tests)."""
+        from mpidist.collectives import allgather
+        return allgather(self.param_shard().copy(), comm=self.comm,
+                         out=self.xp.empty(self.layout.numel, self.dtype))
+
+    # ------------------------------------------------------------------ memory
+    def memory_report(self) -> MemoryReport:
+        """What this rank holds now, from the .nbytes of its buffers."""
+        params, grads = self._held()
+        states = self.optimizer.state_buffers()
+        scratch = getattr(self.optimizer, "_gscratch", None)
+        return MemoryReport(stage=self.stage, rank=self.comm.rank, size=self.comm.size,
+                            numel=self.layout.numel, shard=self.count,
+                            params=nbytes(*params), grads=nbytes(*grads),
+                            optim=nbytes(*states.values()), workspace=nbytes(scratch),
+                            in_flight=self.inflight.current,
+                            peak_in_flight=self.inflight.peak)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> StateDict:
+        """My pieces of the global tensors: params/<name>, optim/<state>/<name>."""
+        tensors = flat_pieces("params", self.layout, self.param_shard(), self.offset)
+        for state, buf in self.optimizer.state_buffers().items():
+            tensors.update(flat_pieces(f"optim/{state}", self.layout, buf, self.offset))
+        scalars = {"optim_step": self.optimizer.step_count, "zero_stage": self.stage,
+                   "param_dtype": str(self.dtype)}
+        return StateDict(self.step, tensors, scalars)
+
+    def load_state_dict(self, source) -> None:
+        """Collective: read my shard of every tensor from source (any writer world size)."""
+        error = None
+        try:
+            shard = self.param_shard()
+            read_flat(source, "params", self.layout, shard, self.offset)
+            sd = self.optimizer.state_dict()
+            state = {}
+            for name, buf in sd["state"].items():
+                try:
+                    read_flat(source, f"optim/{name}", self.layout, buf, self.offset)
+                except KeyError:
+                    if name != "master":
+                        raise
+                    buf[...] = shard.astype(np.float32)      # written by an fp32 run
+                state[name] = buf
+            sd["step"] = int(source.scalars.get("optim_step", source.step))
+            sd["state"] = state
+            self.optimizer.load_state_dict(sd)
+            self.step = int(source.step)
+        except (KeyError, TypeError, ValueError) as exc:
+            error = exc
+        self.comm.raise_if_any(error)
+        self._publish_params()

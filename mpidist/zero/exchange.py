@@ -1,0 +1,147 @@
+"""Sharded exchanges over an arbitrary global range [lo, hi) of the flat layout.
+
+ZeRO's shards are the chunk() partition of the WHOLE flat buffer, but stage 2 reduces a
+gradient bucket and stage 3 gathers one layer's parameters: a sub-range whose pieces
+belong to a varying set of ranks (often one or two). mpidist.collectives partitions the
+buffer it is given by chunk(len(buf)), which would not line up with the shards, so these
+two v-collectives are built here on MPI's nonblocking Ialltoallv / Iallgatherv (on the
+Communicator's private comm), sending raw bytes so fp16/bf16 travel at two bytes:
+
+- reduce-scatter-v: every rank sends the piece of its bucket that rank r owns straight to
+  r; the owner sums the `size` pieces in rank order in an fp32 (or wider) accumulator and
+  rounds once, so the result does not depend on the order of arrival and half-precision
+  gradients are rounded exactly once (the same as an fp32-accumulated allreduce).
+- allgather-v: every rank contributes the piece of [lo, hi) inside its shard.
+
+Both return a Pending handle at once, so the exchange overlaps the caller's compute (the
+next layer's backward, the current layer's forward); wait() completes it.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.kernels.backend import get_array_module
+
+__all__ = ["ShardMap", "Pending", "reduce_scatter_start", "allgather_start"]
+
+
+class ShardMap:
+    """Where each rank's shard lies: the chunk() partition of n elements over the comm."""
+
+    def __init__(self, comm, n: int):
+        from mpidist.partition import counts_displs
+        self.comm, self.n = comm, int(n)
+        self.counts, self.displs = counts_displs(self.n, comm.size)
+        self.offset, self.count = self.displs[comm.rank], self.counts[comm.rank]
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(start relative to lo, length) of [lo, hi) ∩ shard r, for every rank r."""
+        out = []
+        for d, c in zip(self.displs, self.counts):
+            a, b = max(lo, d), min(hi, d + c)
+            out.append((a - lo, max(0, b - a)))
+        return out
+
+    def mine(self, lo: int, hi: int) -> tuple[int, int]:
+        """(global start, length) of [lo, hi) ∩ my shard (length 0 when disjoint)."""
+        a, b = max(lo, self.offset), min(hi, self.offset + self.count)
+        return a, max(0, b - a)
+
+
+class Pending:
+    """A started exchange: wait() finishes it (idempotent) and returns its result."""
+
+    def __init__(self, request, finish, buffers):
+        self._request, self._finish = request, finish
+        self.buffers = buffers          # what the exchange holds while in flight
+        self._result, self._done = None, False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers this exchange holds while in flight."""
+        return 0 if self._done else sum(int(b.nbytes) for b in self.buffers)
+
+    def wait(self):
+        if not self._done:
+            self._request.Wait()
+            self._result = self._finish()
+            self._done, self.buffers, self._finish = True, (), None
+        return self._result
+
+
+def _bytes(a):
+    """A flat uint8 view of a contiguous array (MPI sees any dtype as bytes)."""
+    return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
+
+
+def _accumulator_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
+def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, scale: float = 1.0,
+                         out=None, accumulate: bool = False) -> Pending:
+    """Start reducing buf (the global range [lo, lo+len(buf)) on every rank) onto its owners.
+
+    wait() returns my piece (the range ∩ my shard) = scale * sum over ranks, in buf's dtype,
+    written into `out` (added to it when accumulate) when given. Collective over comm: every
+    rank passes the same [lo, hi).
+    """
+    hi = lo + int(buf.shape[0])
+    xp = get_array_module(buf)
+    pieces = shards.pieces(lo, hi)
+    _, mine = shards.mine(lo, hi)
+    item = buf.dtype.itemsize
+    recv = xp.empty((comm.size, mine), dtype=buf.dtype)
+    send_mpi, recv_mpi = comm.to_mpi(xp.ascontiguousarray(buf)), comm.to_mpi(recv)
+    scounts = [c * item for _, c in pieces]
+    sdispls = [s * item for s, _ in pieces]
+    rcounts = [mine * item] * comm.size
+    rdispls = [r * mine * item for r in range(comm.size)]
+    request = comm.comm.Ialltoallv([_bytes(send_mpi), (scounts, sdispls), MPI.BYTE],
+                                   [_bytes(recv_mpi), (rcounts, rdispls), MPI.BYTE])
+
+    def finish():
+        comm.from_mpi(recv_mpi, recv)
+        acc = recv[0].astype(_accumulator_dtype(buf.dtype))
+        for r in range(1, comm.size):          # rank order: independent of arrival order
+            acc += recv[r]
+        if scale != 1.0:
+            acc *= acc.dtype.type(scale)
+        if out is None:
+            return acc.astype(buf.dtype, copy=False)
+        if accumulate:
+            out[...] = (out.astype(acc.dtype) + acc).astype(out.dtype, copy=False)
+        else:
+            out[...] = acc
+        return out
+
+    return Pending(request, finish, (send_mpi, recv_mpi))
+
+
+def allgather_start(comm, shards: ShardMap, shard, lo: int, hi: int, *, out=None) -> Pending:
+    """Start gathering the global range [lo, hi) from the shards that hold it.
+
+    shard: my whole shard (1-D, shards.count elements). wait() returns the range as one
+    1-D array (`out` when given). Collective over comm: every rank passes the same [lo, hi).
+    """
+    xp = get_array_module(shard)
+    if out is None:
+        out = xp.empty(hi - lo, dtype=shard.dtype)
+    pieces = shards.pieces(lo, hi)
+    start, mine = shards.mine(lo, hi)
+    item = shard.dtype.itemsize
+    local = shard[start - shards.offset:start - shards.offset + mine] if mine else shard[:0]
+    send_mpi = comm.to_mpi(xp.ascontiguousarray(local))
+    recv_mpi = comm.to_mpi(out)
+    counts = [c * item for _, c in pieces]
+    displs = [s * item for s, _ in pieces]
+    request = comm.comm.Iallgatherv([_bytes(send_mpi), mine * item, MPI.BYTE],
+                                    [_bytes(recv_mpi), (counts, displs), MPI.BYTE])
+
+    def finish():
+        comm.from_mpi(recv_mpi, out)
+        return out
+
+    return Pending(request, finish, (recv_mpi,))

@@ -1,0 +1,55 @@
+"""ZeRO stage 1 (P_os): optimizer states partitioned; parameters and gradients whole.
+
+    1. forward/backward on the whole parameters into the whole gradient buffer
+    2. reduce-scatter of the gradients: my shard of the sum lands in my chunk of them
+    3. the optimizer updates my shard (its fp32 master and states exist for it alone)
+    4. allgather of the updated shards into the whole parameter buffer
+
+Communication: reduce-scatter + allgather = one allreduce, as much as data parallel.
+Memory per parameter: 2 + 2 + 12/N bytes with mixed-precision Adam.
+"""
+from __future__ import annotations
+
+import time
+
+from mpidist.collectives import allgather, reduce_scatter
+from mpidist.flat import FlatBuffer
+from mpidist.zero.engine import ZeroEngine
+
+__all__ = ["Stage1"]
+
+
+class Stage1(ZeroEngine):
+    stage = 1
+
+    def _setup(self, rng) -> None:
+        self.params = FlatBuffer(self.layout, dtype=self.dtype, xp=self.xp)
+        self.grads = FlatBuffer(self.layout, dtype=self.dtype, xp=self.xp)
+        self.model.bind(self.params.views(), self.grads.views())
+        self.model.init_params(rng)
+
+    def param_shard(self):
+        return self.params.data[self.offset:self.offset + self.count]
+
+    def grad_shard(self):
+        return self.grads.data[self.offset:self.offset + self.count]
+
+    def _held(self):
+        return [self.params.data], [self.grads.data]
+
+    def _begin_step(self) -> None:
+        self.grads.data[...] = 0
+
+    def _finish_grads(self) -> None:
+        # 2. reduce-scatter: my chunk of the flat buffer is my shard; the sum is written there
+        t = time.perf_counter()
+        summed = self.inflight.add(reduce_scatter(self.grads.data, op="sum", comm=self.comm))
+        self._t_comm += time.perf_counter() - t
+        self.grad_shard()[...] = summed
+        self.inflight.drop(summed)
+
+    def _publish_params(self) -> None:
+        # 4. allgather the updated shards (a copy of mine: MPI may not alias send and receive)
+        mine = self.inflight.add(self.param_shard().copy())
+        allgather(mine, comm=self.comm, out=self.params.data)
+        self.inflight.drop(mine)
