@@ -1,0 +1,186 @@
+"""The training loop: datasets, strategy, epochs of steps, evaluation, metrics, checkpoints, plot.
+
+It is the same for every strategy: the Strategy (engine.strategy) does the parallel work; the
+loop feeds each rank its rows of every global batch and records what comes back.
+
+Checkpoint hook point. When [checkpoint] interval > 0, dir is set, or resume = true, the loop
+imports CHECKPOINT_HOOK ("module:factory"), calls factory(config, comm) -> hook, then
+    hook.resume(strategy) -> bool        before training, if checkpoint.resume (collective)
+    hook.after_step(strategy, last)      after every step; the hook decides when to save
+    hook.close()                         at the end
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import time
+
+from mpidist.data import DistributedSampler, build_datasets, iterate
+from mpidist.engine.metrics import MetricsWriter
+from mpidist.errors import ConfigError
+from mpidist.engine.strategy import build_strategy
+
+__all__ = ["run", "evaluate", "total_steps", "JobFailed", "CHECKPOINT_HOOK"]
+
+CHECKPOINT_HOOK = "mpidist.checkpoint.hook:make_hook"
+log = logging.getLogger("mpidist")
+
+
+def total_steps(config: dict, n_train: int) -> tuple[int, int]:
+    """(steps per epoch, total steps) for a training set of n_train samples."""
+    d, j = config["data"], config["job"]
+    per_epoch = n_train // d["batch_size"] if d["drop_last"] else -(-n_train // d["batch_size"])
+    if per_epoch < 1:
+        raise ValueError(f"[data] batch_size = {d['batch_size']} exceeds the {n_train} training samples "
+                         "(with drop_last = true no batch is left)")
+    return per_epoch, (j["steps"] if j["steps"] > 0 else j["epochs"] * per_epoch)
+
+
+def _checkpoint_hook(config: dict, comm):
+    c = config["checkpoint"]
+    if not (c["interval"] > 0 or c["dir"] or c["resume"]):
+        return None
+    module, attr = CHECKPOINT_HOOK.split(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        if comm.rank == 0:
+            log.warning("checkpointing requested but not available (%s); training without it", exc)
+        return None
+    return factory(config, comm)
+
+
+class JobFailed(RuntimeError):
+    """A set-up step failed on some rank; raised on every rank with every rank's message."""
+
+
+def _agreed(comm, fn, *args):
+    """Run fn on every rank; if it fails anywhere, raise on every rank (no rank left waiting).
+
+    A ConfigError anywhere becomes the same ConfigError everywhere; other failures JobFailed.
+    """
+    result, error = None, None
+    try:
+        result = fn(*args)
+    except Exception as exc:
+        error = exc
+    errors = comm.comm.allgather(None if error is None else (isinstance(error, ConfigError), str(error),
+                                                             type(error).__name__))
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not bad:
+        return result
+    config_errors = [msg for _, (is_cfg, msg, _) in bad if is_cfg]
+    if config_errors:
+        raise ConfigError(config_errors[0])
+    raise JobFailed("; ".join(f"rank {r}: {name}: {msg}" for r, (_, msg, name) in bad)) from error
+
+
+def evaluate(strategy, dataset, batch_size: int) -> dict:
+    """Loss and accuracy over a whole split, every rank reading its rows of each batch."""
+    sampler = DistributedSampler(dataset.n, batch_size, rank=strategy.data_rank, size=strategy.data_size,
+                                 shuffle=False, drop_last=False)
+    loss = correct = count = 0
+    for x, y, _ in iterate(dataset, sampler):
+        r = strategy.evaluate(x, y)
+        loss, correct, count = loss + r["loss"], correct + r["correct"], count + r["count"]
+    return {"loss": loss / max(count, 1), "accuracy": correct / max(count, 1), "count": count}
+
+
+def run(config: dict, comm) -> dict:
+    """Collective: train as configured; returns the summary (also written to summary.json)."""
+    job = config["job"]
+    out_dir = job["out_dir"]
+    t_start = time.perf_counter()
+    train, test, meta = _agreed(comm, build_datasets, config, comm)
+    per_epoch, total = _agreed(comm, total_steps, config, train.n)
+    config = {**config, "job": {**job, "total_steps": total, "steps_per_epoch": per_epoch}}
+    strategy = _agreed(comm, build_strategy, config, comm, meta)
+    hook = _agreed(comm, _checkpoint_hook, config, comm)
+    if hook is not None and config["checkpoint"]["resume"] and hook.resume(strategy) and comm.rank == 0:
+        log.info("resumed at step %d", strategy.step)
+    is_root = comm.rank == 0
+    if is_root:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as fh:
+            json.dump(config, fh, indent=1, default=str)
+        log.info("job %s: %s on %d ranks, model %s, %d train / %d test samples, %d steps",
+                 job["name"], config["parallel"]["strategy"], comm.size, config["model"]["name"],
+                 train.n, test.n, total)
+    writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), is_root, append=strategy.step > 0)
+    bar = None
+    if is_root and job["progress"]:
+        from tqdm import tqdm
+        bar = tqdm(total=total, initial=strategy.step, desc=job["name"], unit="step", dynamic_ncols=True)
+
+    sampler = DistributedSampler(train.n, config["data"]["batch_size"], rank=strategy.data_rank,
+                                 size=strategy.data_size, seed=job["seed"], shuffle=config["data"]["shuffle"],
+                                 drop_last=config["data"]["drop_last"])
+    eval_bs = max(config["data"]["batch_size"], 256)
+    last_eval, eval_at = None, None
+    samples = 0
+    t_train = time.perf_counter()
+    while strategy.step < total:
+        epoch, skip = divmod(strategy.step, per_epoch)
+        sampler.set_epoch(epoch)
+        batches = iterate(train, sampler)
+        t0 = time.perf_counter()
+        for i, (x, y, count) in enumerate(batches):
+            if i < skip:                      # resumed mid-epoch: these batches were trained
+                t0 = time.perf_counter()
+                continue
+            t_data = time.perf_counter() - t0
+            m = strategy.train_step(x, y, global_count=count)
+            t_step = time.perf_counter() - t0
+            samples += count
+            rec = {"event": "step", "step": strategy.step, "epoch": epoch, "loss": m["loss"],
+                   "accuracy": m["correct"] / max(m["count"], 1), "samples": count, "t_step": t_step,
+                   "t_data": t_data, "samples_per_s": count / t_step,
+                   **{k: m[k] for k in ("t_compute", "t_comm", "t_optim")},
+                   **{k: m[k] for k in ("lr", "skipped") if k in m}}
+            writer.write(rec)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{m['loss']:.4f}", samples_s=f"{count / t_step:.0f}")
+            last = strategy.step >= total
+            if hook is not None:
+                hook.after_step(strategy, last)
+            ev = job["eval_every"]
+            if (ev and strategy.step % ev == 0) or (not ev and (i == per_epoch - 1 or last)):
+                last_eval, eval_at = evaluate(strategy, test, eval_bs), strategy.step
+                writer.write({"event": "eval", "step": strategy.step, "epoch": epoch, **last_eval})
+                if bar is not None:
+                    bar.write(f"[rank 0/{comm.size}] step {strategy.step} epoch {epoch}: test loss "
+                              f"{last_eval['loss']:.4f} accuracy {last_eval['accuracy']:.4f}")
+            if last:
+                break
+            t0 = time.perf_counter()
+    t_loop = time.perf_counter() - t_train
+    if eval_at != strategy.step:
+        last_eval = evaluate(strategy, test, eval_bs)
+        writer.write({"event": "eval", "step": strategy.step, **last_eval})
+    if bar is not None:
+        bar.close()
+    summary = {"job": job["name"], "ranks": comm.size, "strategy": config["parallel"]["strategy"],
+               "steps": strategy.step, "test_loss": last_eval["loss"], "test_accuracy": last_eval["accuracy"],
+               "train_seconds": t_loop, "total_seconds": time.perf_counter() - t_start,
+               "samples_per_s": samples / t_loop if t_loop > 0 else 0.0,
+               "memory": strategy.memory_report()}
+    if hook is not None:
+        hook.close()
+    writer.close()
+    if is_root:
+        with open(os.path.join(out_dir, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
+        if job["plot"]:
+            from mpidist.engine.plot import plot_run
+            summary["plot"] = plot_run(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "training.png"),
+                                       f"{job['name']}: {comm.size} ranks, {config['parallel']['strategy']}")
+        log.info("done: %d steps in %.1f s, test accuracy %.4f, %.0f samples/s; metrics and plot in %s",
+                 strategy.step, t_loop, last_eval["accuracy"], summary["samples_per_s"], out_dir)
+    strategy.close()
+    train.close()
+    test.close()
+    return summary
+
