@@ -1,0 +1,185 @@
+"""GPU kernels of the gradient compressors: numba.cuda kernels over CuPy arrays.
+
+Same names and signatures as `compress_cpu`, so a compressor picks its module from the
+data (`mpidist.compress.base.kernels_for`). The per-element formulas are the CPU module's
+scalar functions, compiled for the device from the same Python source (`.py_func`): one
+formula, two devices. Kernels are built on first use and cached, so importing this module
+needs neither CuPy nor a GPU. Under NUMBA_ENABLE_CUDASIM=1 the kernels run in Numba's CUDA
+simulator on NumPy arrays (tiny sizes: the CPU test suite covers them that way).
+
+Reductions and top-k selection use CuPy's own kernels (abs, max, sort, nonzero), which
+are faster than anything hand-written here.
+"""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda   # importing numba.cuda needs no GPU; kernels compile on first use
+
+from mpidist.kernels import compress_cpu as _cpu
+
+__all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "sign_encode",
+           "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "randomk_indices"]
+
+_TPB = 128
+
+
+def _blocks(n: int) -> int:
+    return max(1, -(-int(n) // _TPB))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels() -> SimpleNamespace:
+    f16_bits = cuda.jit(device=True)(_cpu._f16_bits.py_func)
+    bf16_bits = cuda.jit(device=True)(_cpu._bf16_bits.py_func)
+    uniform = cuda.jit(device=True)(_cpu._uniform.py_func)
+    qsgd_code = cuda.jit(device=True)(_cpu._qsgd_code.py_func)
+
+    @cuda.jit
+    def fp16(bits, k, out):
+        # out[i] = float16(x[i] * 2**k), round to nearest even
+        i = cuda.grid(1)
+        if i < bits.size:
+            out[i] = f16_bits(bits[i], k)
+
+    @cuda.jit
+    def bf16(bits, out):
+        # out[i] = bfloat16(x[i]), round to nearest even
+        i = cuda.grid(1)
+        if i < bits.size:
+            out[i] = bf16_bits(bits[i])
+
+    @cuda.jit
+    def chunk_mean_abs(x, chunk, scales):
+        # scale_c = mean |x| over chunk c (one thread per chunk)
+        c = cuda.grid(1)
+        if c < scales.size:
+            lo = c * chunk
+            hi = min(x.size, lo + chunk)
+            s = 0.0
+            for i in range(lo, hi):
+                s += abs(x[i])
+            scales[c] = s / (hi - lo)
+
+    @cuda.jit
+    def sign_pack(x, packed):
+        # bit t of byte j = (x[8j + t] >= 0)
+        j = cuda.grid(1)
+        if j < packed.size:
+            v = 0
+            for t in range(min(8, x.size - 8 * j)):
+                if x[8 * j + t] >= 0:
+                    v |= 1 << t
+            packed[j] = v
+
+    @cuda.jit
+    def sign_unpack_add(packed, scales, chunk, out):
+        # out[i] += +scale or -scale
+        i = cuda.grid(1)
+        if i < out.size:
+            s = scales[i // chunk]
+            out[i] += s if (packed[i // 8] >> (i % 8)) & 1 else -s
+
+    @cuda.jit
+    def bucket_max_abs(x, bucket, norms):
+        # norm_b = max |x| over bucket b (one thread per bucket)
+        b = cuda.grid(1)
+        if b < norms.size:
+            m = np.float32(0.0)
+            for i in range(b * bucket, min(x.size, (b + 1) * bucket)):
+                m = max(m, abs(x[i]))
+            norms[b] = m
+
+    @cuda.jit
+    def qsgd_pack(x, levels, bucket, width, seed, norms, codes):
+        # code = sign | floor(|x| / norm * s + u), 8 / width codes per byte
+        j = cuda.grid(1)
+        per = 8 // width
+        if j < codes.size:
+            m = norms[(j * per) // bucket]
+            scale = np.float32(levels) / m if m > 0 else np.float32(0.0)
+            v = np.uint32(0)
+            for t in range(per):
+                i = j * per + t
+                if i < x.size:
+                    v |= qsgd_code(x[i], scale, levels, uniform(seed, i), width) << \
+                        np.uint32(t * width)
+            codes[j] = v
+
+    @cuda.jit
+    def qsgd_unpack_add(codes, norms, levels, bucket, width, out):
+        # out[i] += sign * norm * level / s
+        i = cuda.grid(1)
+        if i < out.size:
+            per = 8 // width
+            code = (np.int64(codes[i // per]) >> ((i % per) * width)) & ((1 << width) - 1)
+            q = norms[i // bucket] * (code & ((1 << (width - 1)) - 1)) / levels
+            out[i] += -q if code >> (width - 1) else q
+
+    @cuda.jit
+    def randomk(n, k, seed, out):
+        # one index per stratum [b n / k, (b + 1) n / k)
+        b = cuda.grid(1)
+        if b < k:
+            lo = (b * n) // k
+            hi = ((b + 1) * n) // k
+            out[b] = lo + min(hi - lo - 1, np.int64(uniform(seed, b) * (hi - lo)))
+
+    return SimpleNamespace(fp16=fp16, bf16=bf16, chunk_mean_abs=chunk_mean_abs,
+                           sign_pack=sign_pack, sign_unpack_add=sign_unpack_add,
+                           bucket_max_abs=bucket_max_abs, qsgd_pack=qsgd_pack,
+                           qsgd_unpack_add=qsgd_unpack_add, randomk=randomk)
+
+
+def absmax_bits(bits):
+    """max |x| as float32 bit patterns (> 0x7F800000: a NaN is present)."""
+    if bits.size == 0:
+        return 0
+    return int((bits & np.uint32(0x7FFFFFFF)).max())
+
+
+def all_finite(bits) -> bool:
+    return bool(((bits & np.uint32(0x7FFFFFFF)) < np.uint32(0x7F800000)).all())
+
+
+def fp16_encode(bits, k, out) -> None:
+    if bits.size:
+        _kernels().fp16[_blocks(bits.size), _TPB](bits, int(k), out)
+
+
+def bf16_encode(bits, out) -> None:
+    if bits.size:
+        _kernels().bf16[_blocks(bits.size), _TPB](bits, out)
+
+
+def sign_encode(x, chunk, packed, scales) -> None:
+    if x.size:
+        K = _kernels()
+        K.chunk_mean_abs[_blocks(scales.size), _TPB](x, int(chunk), scales)
+        K.sign_pack[_blocks(packed.size), _TPB](x, packed)
+
+
+def sign_decode_add(packed, scales, chunk, out) -> None:
+    if out.size:
+        _kernels().sign_unpack_add[_blocks(out.size), _TPB](packed, scales, int(chunk), out)
+
+
+def qsgd_encode(x, levels, bucket, width, seed, codes, norms) -> None:
+    if x.size:
+        K = _kernels()
+        K.bucket_max_abs[_blocks(norms.size), _TPB](x, int(bucket), norms)
+        K.qsgd_pack[_blocks(codes.size), _TPB](x, int(levels), int(bucket), int(width),
+                                                int(seed), norms, codes)
+
+
+def qsgd_decode_add(codes, norms, levels, bucket, width, out) -> None:
+    if out.size:
+        _kernels().qsgd_unpack_add[_blocks(out.size), _TPB](codes, norms, int(levels),
+                                                            int(bucket), int(width), out)
+
+
+def randomk_indices(n, k, seed, out) -> None:
+    if k:
+        _kernels().randomk[_blocks(k), _TPB](int(n), int(k), int(seed), out)
