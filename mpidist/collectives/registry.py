@@ -5,12 +5,18 @@ recvbuf may be sendbuf (in place). Every algorithm leaves the same bits on every
 """
 from __future__ import annotations
 
-from mpidist.collectives import native, ring
+from mpidist.collectives import (dbtree, hierarchical, native, rabenseifner,
+                                 recursive_doubling, ring, tree)
 
 __all__ = ["ALGORITHMS", "get_algorithm", "algorithm_names"]
 
 ALGORITHMS = {
     "ring": ring.allreduce,
+    "tree": tree.allreduce,
+    "dbtree": dbtree.allreduce,
+    "hierarchical": hierarchical.allreduce,
+    "recursive_doubling": recursive_doubling.allreduce,
+    "rabenseifner": rabenseifner.allreduce,
     "native": native.allreduce,
 }
 
