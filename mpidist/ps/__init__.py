@@ -1,0 +1,7 @@
+"""Parameter server over MPI one-sided communication: BSP, ASP and SSP(s) consistency."""
+from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler, format_histogram
+from mpidist.ps.server import ParameterServer, ServerStats, ShardServer, SumUpdate, place_servers
+from mpidist.ps.worker import Worker
+
+__all__ = ["ParameterServer", "ShardServer", "ServerStats", "SumUpdate", "Worker",
+           "Consistency", "Straggler", "StalenessRecord", "format_histogram", "place_servers"]

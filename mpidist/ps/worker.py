@@ -1,0 +1,195 @@
+"""The worker side of the parameter server: pull parameters with `Get`, push gradients with
+`Accumulate(SUM)`, all under the passive-target epoch the windows keep open, so a worker
+never waits for the server's code to move its data.
+
+Push (one round trip per phase, all servers at once):
+  1. take a ticket: Fetch_and_op(+1) on every server's TICKET word; the epoch in the old
+     value names the accumulation slot (epoch & 1) this push must go to;
+  2. Accumulate the gradient shard into that slot and +1 into my per-worker count; Flush;
+  3. Accumulate +1 into the slot's DONE counter: the server drains a slot only when DONE
+     equals the tickets it closed, so a push lands in exactly one update.
+Pull: wait as the consistency model says; read VERSION, Get that parameter buffer, read
+WRITING; retry a server that had started to overwrite the buffer meanwhile (seqlock).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler
+from mpidist.ps.windows import DONE, TICKET, VERSION, WRITING, CtrlLayout, Windows
+
+__all__ = ["Worker", "Backoff", "check_abort"]
+
+_EPOCH_SHIFT = 32
+
+
+class Backoff:
+    """Bounded polling: sleep 20 us doubling to 1 ms; raise RuntimeError after `timeout` s."""
+
+    def __init__(self, timeout: float, what: str):
+        self.deadline = time.monotonic() + timeout
+        self.timeout, self.what = timeout, what
+        self.delay = 2e-5
+
+    def wait(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise RuntimeError(f"parameter server: timed out after {self.timeout:g} s waiting "
+                               f"for {self.what}; a peer rank may have died or stalled "
+                               f"(raise `timeout` if steps are legitimately this slow)")
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, 1e-3)
+
+    def reset(self, timeout: float | None = None) -> None:
+        self.deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self.delay = 2e-5
+
+
+def check_abort(wins: Windows) -> None:
+    """Raise on this rank if another rank of the run has failed."""
+    culprit = wins.aborted_by()
+    if culprit is not None:
+        raise RuntimeError(f"parameter server: rank {culprit} failed; stopping this rank too")
+
+
+class Worker:
+    """One worker's view of the servers: pull(), push(grad), finish().
+
+    index: this worker's number among the W workers; servers: server ranks in shard order;
+    shards: chunk() (offset, count) of each server over the n flat parameters.
+    """
+
+    def __init__(self, wins: Windows, *, index: int, workers: int, servers: list[int],
+                 shards: list[tuple[int, int]], n: int, consistency: Consistency,
+                 straggler: Straggler | None, timeout: float):
+        self.wins, self.index, self.workers = wins, index, workers
+        self.servers, self.shards, self.n = list(servers), list(shards), n
+        self.consistency, self.straggler, self.timeout = consistency, straggler, timeout
+        self.layout = CtrlLayout(workers)
+        self.dtype = wins.dtype
+        self.clock = 0                                   # my completed pushes
+        self.record = StalenessRecord()
+        S = len(self.servers)
+        self.versions = np.zeros(S, np.int64)            # versions of my last pull
+        self._vres, self._wres, self._tres = (np.zeros(S, np.int64) for _ in range(3))
+        self._one = np.ones(1, np.int64)
+        self._one64 = [self._one, MPI.INT64_T]
+        self._applied = [np.zeros(workers, np.int64) for _ in range(S)]
+        self._finished = False
+
+    # ------------------------------------------------------------------ pull
+    def pull(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The current parameters (after any wait the consistency model demands)."""
+        self._check_live()
+        if out is None:
+            out = np.empty(self.n, self.dtype)
+        elif not (isinstance(out, np.ndarray) and out.shape == (self.n,) and out.dtype == self.dtype
+                  and out.flags.c_contiguous):
+            raise ValueError(f"out must be a contiguous {self.dtype} array of shape ({self.n},)")
+        self._wait_for_model()
+        ctrl, data, wins = self.wins.ctrl, self.wins.data, self.wins
+        pending = list(range(len(self.servers)))
+        backoff = Backoff(self.timeout, "a consistent parameter buffer")
+        while pending:
+            # 1. which version is current on each server
+            for i in pending:
+                wins.fetch_op(self.servers[i], VERSION, 0, MPI.NO_OP, self._vres[i:i + 1], flush=False)
+            ctrl.Flush_all()
+            # 2. get that buffer
+            for i in pending:
+                off, cnt = self.shards[i]
+                disp = CtrlLayout.data_offsets(cnt)["param"][int(self._vres[i]) & 1]
+                data.Get(out[off:off + cnt], self.servers[i], (disp, cnt, wins.mpi_dtype))
+            data.Flush_all()
+            # 3. was it overwritten meanwhile? (the server writes version v + 2 into it)
+            for i in pending:
+                wins.fetch_op(self.servers[i], WRITING, 0, MPI.NO_OP, self._wres[i:i + 1], flush=False)
+            ctrl.Flush_all()
+            pending = [i for i in pending if self._wres[i] > self._vres[i] + 1]
+            if pending:
+                check_abort(wins)
+                backoff.wait()
+        self.versions[:] = self._vres
+        return out
+
+    def _wait_for_model(self) -> None:
+        model = self.consistency
+        if model.model == "asp":
+            return
+        start = time.monotonic()
+        backoff = Backoff(self.timeout, f"the other workers ({model})")
+        while True:
+            version, min_applied = self._server_clocks()
+            if not model.must_wait(self.clock, version, min_applied):
+                break
+            check_abort(self.wins)
+            backoff.wait()
+        if model.model == "ssp":
+            self.record.gaps.append((self.clock, min_applied))
+        self.record.wait_time += time.monotonic() - start
+
+    def _server_clocks(self) -> tuple[int, int]:
+        """(oldest server version, fewest applied pushes of any worker on any server)."""
+        wins = self.wins
+        if self.consistency.model == "bsp":
+            for i, srv in enumerate(self.servers):
+                wins.fetch_op(srv, VERSION, 0, MPI.NO_OP, self._vres[i:i + 1], flush=False)
+            wins.ctrl.Flush_all()
+            return int(self._vres.min()), 0
+        for i, srv in enumerate(self.servers):
+            wins.read_words(srv, self.layout.applied, self.workers, self._applied[i], flush=False)
+        wins.ctrl.Flush_all()
+        return 0, int(min(a.min() for a in self._applied))
+
+    # ------------------------------------------------------------------ push
+    def push(self, grad: np.ndarray) -> None:
+        """Add `grad` (the full flat gradient) into the servers' next update."""
+        self._check_live()
+        if not isinstance(grad, np.ndarray) or grad.shape != (self.n,):
+            raise ValueError(f"grad must be a NumPy array of shape ({self.n},), got "
+                             f"{getattr(grad, 'shape', type(grad).__name__)}")
+        grad = np.ascontiguousarray(grad, dtype=self.dtype)
+        if self.straggler is not None:
+            self.straggler.stall(self.index)
+        check_abort(self.wins)
+        wins, ctrl, data = self.wins, self.wins.ctrl, self.wins.data
+        # 1. a ticket from every server: the open epoch decides the slot
+        for i, srv in enumerate(self.servers):
+            ctrl.Fetch_and_op(self._one, self._tres[i:i + 1], srv, TICKET, MPI.SUM)
+        ctrl.Flush_all()
+        epochs = self._tres >> _EPOCH_SHIFT
+        slots = (epochs & 1).tolist()
+        # 2. the gradient shard and my count into that slot
+        for i, srv in enumerate(self.servers):
+            off, cnt = self.shards[i]
+            disp = CtrlLayout.data_offsets(cnt)["acc"][slots[i]]
+            data.Accumulate(grad[off:off + cnt], srv, (disp, cnt, wins.mpi_dtype), MPI.SUM)
+            ctrl.Accumulate(self._one64, srv, (self.layout.cnt[slots[i]] + self.index, 1,
+                                             MPI.INT64_T), MPI.SUM)
+        data.Flush_all()
+        ctrl.Flush_all()
+        # 3. announce completion in the slot's DONE counter
+        for i, srv in enumerate(self.servers):
+            ctrl.Accumulate(self._one64, srv, (DONE[slots[i]], 1, MPI.INT64_T), MPI.SUM)
+        ctrl.Flush_all()
+        self.clock += 1
+        self.record.staleness.append(int((epochs - self.versions).max()))
+
+    def finish(self) -> None:
+        """Tell every server this worker has pushed its last gradient (idempotent)."""
+        if self._finished:
+            return
+        for srv in self.servers:
+            self.wins.replace_words(srv, self.layout.fin + self.index,
+                                    np.array([self.clock + 1], np.int64), flush=False)
+        self.wins.ctrl.Flush_all()
+        self._finished = True
+
+    def _check_live(self) -> None:
+        if self.wins.freed:
+            raise RuntimeError("the parameter server's windows are freed; pull/push only "
+                               "inside its `with` block")
+        if self._finished:
+            raise RuntimeError("this worker called finish(); it can not pull or push again")
