@@ -32,12 +32,15 @@ def synthetic_arrays(samples: int, features: int, classes: int, seed: int = 0):
     return x, y
 
 
-def _collective_write(path: str, params: dict, write, comm) -> str:
-    """Rank 0 runs write(tmp_path) unless path already holds these params; all ranks wait."""
-    params_json = json.dumps(params, sort_keys=True)
+def _collective_write(path: str, params, write, comm) -> str:
+    """Rank 0 runs write(h5 file) unless path already holds these params; all ranks wait.
+
+    params: a dict, or a callable returning one (evaluated on rank 0, inside the agreement).
+    """
     error = None
     if comm is None or comm.rank == 0:
         try:
+            params_json = json.dumps(params() if callable(params) else params, sort_keys=True)
             if not _up_to_date(path, params_json):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 tmp = f"{path}.tmp{os.getpid()}"
@@ -106,7 +109,8 @@ def import_text(text_path: str, path: str, *, test_fraction: float = 0.1, comm=N
         fh.create_group("train").create_dataset("tokens", data=data[:cut])
         fh.create_group("test").create_dataset("tokens", data=data[cut:])
         fh.attrs.update(kind="lm", vocab=256, source=os.path.basename(text_path))
-    stat = os.stat(text_path)
-    params = {"dataset": "text", "source": os.path.abspath(text_path), "bytes": stat.st_size,
-              "mtime": stat.st_mtime_ns, "test_fraction": test_fraction}
+    def params():
+        stat = os.stat(text_path)
+        return {"dataset": "text", "source": os.path.abspath(text_path), "bytes": stat.st_size,
+                "mtime": stat.st_mtime_ns, "test_fraction": test_fraction}
     return _collective_write(path, params, write, comm)
