@@ -103,6 +103,13 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "microbatches": _f(int, 4, "pipeline: micro-batches per step", **_pos),
         "schedule": _f(str, "1f1b", "pipeline: schedule name in mpidist.pipeline.schedules"),
         "recompute": _f(bool, False, "pipeline: recompute activations in backward"),
+        "virtual": _f(int, 1, "pipeline: model chunks per rank (schedule = 'interleaved')", **_pos),
+        "partition": _f(str, "params", "pipeline: cut the layers by parameter count, measured cost, "
+                        "or the explicit cuts", choices=("params", "cost", "cuts")),
+        "cuts": _f(list, [], "pipeline: with partition = 'cuts', the layer indices where stages 1, 2, "
+                   "... start", **_ints),
+        "zero": _f(int, 0, "pipeline: 1 = ZeRO stage 1 within each stage's data-parallel group",
+                   choices=(0, 1)),
         "consistency": _f(str, "bsp", "ps: bsp | ssp | asp", choices=("bsp", "ssp", "asp")),
         "servers": _f(int, 1, "ps: number of server ranks", **_pos),
         "staleness": _f(int, 0, "ps/ssp: bound on worker clock skew", **_nonneg),
@@ -120,7 +127,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
 # [parallel] keys that only mean something for one strategy: set elsewhere -> an error.
 STRATEGY_KEYS = {
     "zero": ("stage",),
-    "pipeline": ("stages", "microbatches", "schedule", "recompute"),
+    "pipeline": ("stages", "microbatches", "schedule", "recompute", "virtual", "partition", "cuts",
+                 "zero"),
     "ps": ("consistency", "servers", "staleness", "straggler"),
     "admm": ("rho",),
 }
