@@ -147,7 +147,8 @@ class CompressedAllreduce:
     """avg = ca(grad_flat, layout): the compressed average over the ranks of `comm`.
 
     compressor: a Compressor (make_compressor(name, ...)); its residual is this rank's.
-    algorithm: "auto" (the compressor's own aggregation), "gather", "ring", "linear".
+    algorithm: "auto" (the compressor's own aggregation; gather for fp16/bf16 with error
+      feedback), "gather", "ring", "linear".
     warmup_steps: the first calls run an uncompressed float32 ring allreduce.
     nonfinite: "raise" or "skip" when any rank's gradient holds inf/NaN.
     After a call: bytes_sent (that call), total_bytes_sent, step, skipped_steps,
@@ -163,7 +164,9 @@ class CompressedAllreduce:
             raise ValueError(f"algorithm must be one of {', '.join(_ALGORITHMS)}, "
                              f"got {algorithm!r}")
         agg = compressor.aggregation
-        algorithm = agg if algorithm == "auto" else algorithm
+        if algorithm == "auto":
+            # error feedback needs each rank's own compression: gather, not a ring
+            algorithm = "gather" if agg == "ring" and compressor.error_feedback else agg
         if algorithm != agg and not (algorithm == "gather" and agg == "ring"):
             raise ValueError(f"compressor {compressor.name!r} aggregates by {agg!r}; "
                              f"algorithm {algorithm!r} does not apply (use 'auto')")
