@@ -335,6 +335,10 @@ class ParameterServer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and self.windows is not None and not self.windows.freed:
+        """Free the windows, then fail on every rank if any rank failed (RemoteError on the
+        others); a failing rank first tells the others, so none waits out its timeout."""
+        if exc is not None and not self.closed:
             self.windows.abort(r for r in range(self.comm.size) if r != self.comm.rank)
         self.close()
+        if exc is None or isinstance(exc, Exception):
+            self.comm.raise_if_any(exc)
