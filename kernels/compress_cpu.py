@@ -146,7 +146,7 @@ def sign_encode(x, chunk, packed, scales):
     for c in range(scales.size):
         lo = c * chunk
         hi = min(n, lo + chunk)
-        s = 0.0
+        s = np.float64(0.0)
         for i in range(lo, hi):
             s += abs(x[i])
         scales[c] = s / (hi - lo)

@@ -58,7 +58,7 @@ def _kernels() -> SimpleNamespace:
         if c < scales.size:
             lo = c * chunk
             hi = min(x.size, lo + chunk)
-            s = 0.0
+            s = np.float64(0.0)
             for i in range(lo, hi):
                 s += abs(x[i])
             scales[c] = s / (hi - lo)
