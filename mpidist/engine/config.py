@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from mpidist.errors import ConfigError
 
-__all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS"]
+__all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ STRATEGY_KEYS = {
     "ps": ("consistency", "servers", "staleness", "straggler"),
     "admm": ("rho",),
 }
-_MODEL_KEYS = {"mlp": ("hidden", "activation", "dropout"), "cnn": ("channels",),
+MODEL_KEYS = {"mlp": ("hidden", "activation", "dropout"), "cnn": ("channels",),
                "gpt": ("dim", "heads", "layers", "dropout")}
 
 
@@ -195,8 +195,8 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
                 errors.append(f"[parallel] {key} applies to strategy = {strat!r} only (this job uses {strategy!r})")
     model = cfg["model"]["name"]
     for key in given_keys["model"] - {"name"}:
-        if key in SCHEMA["model"] and key not in _MODEL_KEYS.get(model, ()):
-            errors.append(f"[model] {key} does not apply to model {model!r} (it takes {', '.join(_MODEL_KEYS[model])})")
+        if key in SCHEMA["model"] and key not in MODEL_KEYS.get(model, ()):
+            errors.append(f"[model] {key} does not apply to model {model!r} (it takes {', '.join(MODEL_KEYS[model])})")
     ds = cfg["data"]["dataset"]
     if (model == "gpt") != (ds == "text"):
         errors.append(f"[model] name = {model!r} does not fit [data] dataset = {ds!r} "
@@ -273,7 +273,7 @@ def _check_model(cfg: dict) -> list[str]:
     """Construct the model for a stand-in dataset shape, so bad sizes fail here, not on 4 ranks."""
     from mpidist.nn import build_model, data_kwargs
     meta = {"in_shape": (1, 8, 8), "classes": 10, "vocab": 256, "block": cfg["data"]["block"]}
-    kw = {k: cfg["model"][k] for k in _MODEL_KEYS[cfg["model"]["name"]]}
+    kw = {k: cfg["model"][k] for k in MODEL_KEYS[cfg["model"]["name"]]}
     try:
         build_model(cfg["model"]["name"], **kw, **data_kwargs(cfg["model"]["name"], meta))
     except (TypeError, ValueError) as exc:

@@ -74,7 +74,10 @@ def _agreed(comm, fn, *args):
     config_errors = [msg for _, (is_cfg, msg, _) in bad if is_cfg]
     if config_errors:
         raise ConfigError(config_errors[0])
-    raise JobFailed("; ".join(f"rank {r}: {name}: {msg}" for r, (_, msg, name) in bad)) from error
+    by_message: dict = {}
+    for r, (_, msg, name) in bad:
+        by_message.setdefault(f"{name}: {msg}", []).append(str(r))
+    raise JobFailed("; ".join(f"rank(s) {','.join(rs)}: {m}" for m, rs in by_message.items())) from error
 
 
 def evaluate(strategy, dataset, batch_size: int) -> dict:
@@ -90,10 +93,18 @@ def evaluate(strategy, dataset, batch_size: int) -> dict:
 
 def run(config: dict, comm) -> dict:
     """Collective: train as configured; returns the summary (also written to summary.json)."""
-    job = config["job"]
-    out_dir = job["out_dir"]
     t_start = time.perf_counter()
     train, test, meta = _agreed(comm, build_datasets, config, comm)
+    try:
+        return _train(config, comm, train, test, meta, t_start)
+    finally:                      # parallel HDF5 files must be closed before MPI finalises
+        train.close()
+        test.close()
+
+
+def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
+    job = config["job"]
+    out_dir = job["out_dir"]
     per_epoch, total = _agreed(comm, total_steps, config, train.n)
     config = {**config, "job": {**job, "total_steps": total, "steps_per_epoch": per_epoch}}
     strategy = _agreed(comm, build_strategy, config, comm, meta)
@@ -180,7 +191,5 @@ def run(config: dict, comm) -> dict:
         log.info("done: %d steps in %.1f s, test accuracy %.4f, %.0f samples/s; metrics and plot in %s",
                  strategy.step, t_loop, last_eval["accuracy"], summary["samples_per_s"], out_dir)
     strategy.close()
-    train.close()
-    test.close()
     return summary
 

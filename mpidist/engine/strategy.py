@@ -179,12 +179,14 @@ def gather_state(sd: StateDict, comm) -> InMemoryState:
 # ---------------------------------------------------------------------------- builders
 def build_model_from_config(config: dict, meta: dict):
     """The [model] section plus the sizes the dataset dictates (meta) -> an mpidist.nn model."""
+    from mpidist.engine.config import MODEL_KEYS
     from mpidist.nn import build_model, data_kwargs
 
-    kw = {k: v for k, v in config["model"].items() if k != "name"}
-    if config["model"]["name"] in ("mlp", "gpt"):
-        kw.setdefault("seed", config["job"]["seed"])
-    return build_model(config["model"]["name"], **kw, **data_kwargs(config["model"]["name"], meta))
+    name = config["model"]["name"]
+    kw = {k: config["model"][k] for k in MODEL_KEYS[name]}
+    if "dropout" in kw:
+        kw["seed"] = config["job"]["seed"]
+    return build_model(name, **kw, **data_kwargs(name, meta))
 
 
 def lr_schedule(config: dict):
