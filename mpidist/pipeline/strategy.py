@@ -1,0 +1,218 @@
+"""[parallel] strategy = "pipeline": pipeline stages x data-parallel replicas.
+
+Ranks form the pp x dp grid of Communicator.grid(pp) (rank = stage * dp + replica). The
+pp ranks of a replica run the schedule on that replica's rows of the global batch; the dp
+replicas of a stage hold the same layers, so after the pipeline step
+
+    1. gradients of each stage are summed across its replicas (mpidist allreduce on the
+       stage's dp group; the loss is scaled by 1 / global count, as data parallelism does)
+    2. the optimizer updates the stage's parameters
+       (zero = 1: ZeRO stage 1 in the dp group: 1'. reduce-scatter of the gradients,
+        2'. the optimizer on my shard only, 3'. allgather of the updated shards)
+
+so one step equals a single-rank step on the same model and global batch.
+
+Config ([parallel]): stages, microbatches, schedule (gpipe | 1f1b | interleaved), virtual
+(chunks per rank for interleaved), recompute, partition (params | cost | cuts), cuts, zero.
+Bad input fails on every rank before training: stages not dividing the world size, more
+(virtual) stages than layers, micro-batches not dividing each replica's rows.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.collectives import allgather, allreduce, reduce_scatter
+from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
+                                     build_optimizer_from_config, flat_pieces, read_flat,
+                                     replicated_pieces)
+from mpidist.errors import ConfigError
+from mpidist.nn import SoftmaxCrossEntropy, materialize
+from mpidist.pipeline.executor import PipelineExecutor
+from mpidist.pipeline.partition import measure_layer_costs, stage_bounds
+from mpidist.pipeline.schedules import build_schedule
+from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
+
+__all__ = ["PipelineStrategy"]
+
+log = logging.getLogger("mpidist")
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline parallelism combined with data parallelism (and optionally ZeRO-1)."""
+    name = "pipeline"
+
+    def __init__(self, config: dict, comm, meta: dict, *, dtype=np.float32,
+                 make_optimizer=None):
+        """dtype: of parameters, gradients and activations. make_optimizer(layout, offset,
+        count): the optimizer of the stage's range (default: the config's [optim])."""
+        super().__init__(config, comm, meta)
+        p = config["parallel"]
+        pp, m, virtual = p["stages"], p["microbatches"], p.get("virtual", 1)
+        if comm.size % pp:
+            raise ConfigError(f"[parallel] stages = {pp} must divide the {comm.size} ranks")
+        self.grid = comm.grid(pp)
+        dp = self.grid.dp
+        batch = config["data"]["batch_size"]
+        if batch % dp or (batch // dp) % m:
+            raise ConfigError(f"[parallel] microbatches = {m} must divide each replica's rows: "
+                              f"batch_size = {batch} over {dp} replicas; use a batch size "
+                              f"divisible by {dp * m}")
+        if not config["data"]["drop_last"]:
+            raise ConfigError("[data] drop_last = false gives a short last batch that does not "
+                              "split into equal micro-batches; set drop_last = true")
+        try:
+            self.schedule = build_schedule(p["schedule"], pp, m, virtual)
+        except ValueError as exc:
+            raise ConfigError(f"[parallel] schedule: {exc}") from None
+        self.data_rank, self.data_size = self.grid.replica, dp
+        self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1
+        self.model = build_model_from_config(config, meta)
+        layers = pipeline_layers(self.model)
+        num_stages = pp * virtual
+        if num_stages > len(layers):
+            raise ConfigError(f"{num_stages} pipeline stages (stages x virtual) but the model has "
+                              f"only {len(layers)} layers; use fewer stages")
+        costs = self._measure(batch // dp // m) if p.get("partition") == "cost" else None
+        try:
+            self.bounds = stage_bounds(p.get("partition", "params"), [l for _, l in layers],
+                                       num_stages, cuts=p.get("cuts"), costs=costs)
+        except ValueError as exc:
+            raise ConfigError(f"[parallel] partition: {exc}") from None
+        self.stages = local_stages(layers, self.bounds, pp, self.grid.stage)
+        self.layout, self.params, self.grads = materialize_stages(
+            self.model, self.stages, dtype=dtype, seed=config["job"]["seed"])
+        self.zero = p.get("zero", 0) == 1 and dp > 1
+        if self.zero:
+            self.offset, self.count = self.layout.shard(self.grid.replica, dp)
+        else:
+            self.offset, self.count = 0, self.layout.numel
+        if make_optimizer is None:
+            def make_optimizer(layout, offset, count):
+                return build_optimizer_from_config(config, layout, offset, count)
+        self.optimizer = make_optimizer(self.layout, self.offset, self.count)
+        self.loss = SoftmaxCrossEntropy()
+        self.executor = PipelineExecutor(self.schedule, self.stages, self.grid.pp_comm,
+                                         loss=self.loss, recompute=p["recompute"])
+        self.algorithm = p["algorithm"]
+        self.last_stats = None
+        if comm.rank == 0:
+            names = [prefix.rstrip(".") or type(l).__name__ for prefix, l in layers]
+            cut = "; ".join(f"stage {s}: {', '.join(names[a:b])}"
+                            for s, (a, b) in enumerate(zip(self.bounds, self.bounds[1:])))
+            log.info("pipeline %s: %d stages x %d replicas, %d micro-batches, partition by %s "
+                     "(%s)", self.schedule.name, pp, dp, m, p.get("partition", "params"), cut)
+
+    def _measure(self, rows: int) -> list[float]:
+        """Per-layer forward + backward seconds on a copy of the model, averaged over all
+        ranks so every rank cuts the same way."""
+        probe = copy.deepcopy(self.model)
+        materialize(probe, dtype=np.float32, seed=0)
+        probe_layers = pipeline_layers(probe)
+        if self.meta.get("kind") == "lm":
+            x = np.zeros((rows, int(self.meta["block"])), dtype=np.int64)
+        else:
+            x = np.zeros((rows, int(np.prod(self.meta["in_shape"]))), dtype=np.float32)
+        costs = np.array(measure_layer_costs([l for _, l in probe_layers], x, steps=3))
+        return list(allreduce(costs, op="avg", comm=self.comm))
+
+    # ------------------------------------------------------------------ training
+    def _reduce_norms(self, partial):
+        return allreduce(partial, op="sum", comm=self.grid.dp_comm)
+
+    def train_step(self, x, y, global_count: int | None = None) -> dict:
+        dp_comm = self.grid.dp_comm
+        if global_count is None:
+            global_count = dp_comm.comm.allreduce(len(x))
+        scale = 1.0 / (global_count * self.tokens)
+        self.grads.data[...] = 0
+        t0 = time.perf_counter()
+        stats = self.executor.run(x, y, scale=scale)
+        t_pipe = time.perf_counter() - t0
+        self.last_stats = stats
+        t1 = time.perf_counter()
+        if self.zero:
+            # 1'. reduce-scatter: my shard of the replicas' summed gradients
+            shard = reduce_scatter(self.grads.data, op="sum", comm=dp_comm)
+            t2 = time.perf_counter()
+            # 2'. the optimizer on my shard of the stage's parameters
+            mine = self.params.data[self.offset:self.offset + self.count]
+            info = self.optimizer.step(mine, shard, reduce_norms=self._reduce_norms)
+            t3 = time.perf_counter()
+            # 3'. allgather of the updated shards (a copy of mine: no aliasing in MPI)
+            allgather(mine.copy(), comm=dp_comm, out=self.params.data)
+            t_comm = (t2 - t1) + (time.perf_counter() - t3)
+            t_optim = t3 - t2
+        else:
+            # 1. gradients summed across the stage's replicas
+            if dp_comm.size > 1:
+                allreduce(self.grads.data, op="sum", algorithm=self.algorithm, comm=dp_comm)
+            t2 = time.perf_counter()
+            # 2. the optimizer on the stage's parameters
+            info = self.optimizer.step(self.params.data, self.grads.data)
+            t_comm, t_optim = t2 - t1, time.perf_counter() - t2
+        totals = np.array([stats.loss_sum, stats.correct, len(x) * self.tokens], dtype=np.float64)
+        dp_comm.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        self.step += 1
+        return {"loss": float(totals[0] / max(totals[2], 1)), "correct": int(totals[1]),
+                "count": int(totals[2]), "t_compute": stats.busy,
+                "t_comm": t_comm + (t_pipe - stats.busy), "t_optim": t_optim,
+                "skipped": bool(info.skipped), "lr": float(info.lr),
+                "bubble": 1.0 - stats.busy / stats.wall if stats.wall > 0 else 0.0}
+
+    def evaluate(self, x, y) -> dict:
+        """Forward only, the whole batch as one micro-batch through the stages in order."""
+        pp_comm, S = self.grid.pp_comm.comm, self.schedule.num_stages
+        rows = 0 if x is None else len(x)
+        loss_sum = correct = 0.0
+        if rows:
+            h = x
+            for s in range(S):
+                owner = self.schedule.rank_of(s)
+                if owner != pp_comm.rank:
+                    continue
+                if s > 0 and self.schedule.rank_of(s - 1) != owner:
+                    h = pp_comm.recv(source=self.schedule.rank_of(s - 1), tag=s)
+                h = self.stages[s].forward(h, train=False)
+                if s == S - 1:
+                    loss_sum, correct = self.loss.forward(h, y)
+                elif self.schedule.rank_of(s + 1) != owner:
+                    pp_comm.send(h, dest=self.schedule.rank_of(s + 1), tag=s + 1)
+        last = self.schedule.rank_of(S - 1) == pp_comm.rank
+        count = rows * self.tokens if last else 0
+        totals = np.array([loss_sum, correct, count], dtype=np.float64)
+        self.comm.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> StateDict:
+        r, n = self.grid.replica, self.grid.dp
+        tensors = replicated_pieces("params", self.layout, self.params.data, r, n)
+        for name, buf in sorted(self.optimizer.state_buffers().items()):
+            if self.zero:
+                tensors.update(flat_pieces(f"optim/{name}", self.layout, buf, self.offset))
+            else:
+                tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, n))
+        return StateDict(self.step, tensors, {"optim_step": self.optimizer.step_count,
+                                              "optim": self.optimizer.name})
+
+    def load_state_dict(self, source) -> None:
+        read_flat(source, "params", self.layout, self.params.data)
+        for name, buf in self.optimizer.state_buffers().items():
+            read_flat(source, f"optim/{name}", self.layout, buf, lo=self.offset)
+        self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
+        self.step = int(source.step)
+        self.grads.data[...] = 0
+
+    def memory_report(self) -> dict:
+        optim = sum(int(b.nbytes) for b in self.optimizer.state_buffers().values())
+        rep = {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes),
+               "optim": optim}
+        if self.last_stats is not None:
+            rep["activations"] = int(self.last_stats.peak_stash_bytes)
+        rep["total"] = sum(rep.values())
+        return rep

@@ -1,0 +1,78 @@
+"""Per-stage timing of a pipeline step as it actually ran: busy and idle time per rank, the
+measured bubble fraction, peak activation memory, and a PNG timeline.
+
+Every rank times its own forwards and backwards from a common start (the executor's first
+collective); the step's makespan is the slowest rank's end. A rank is idle for whatever
+of the makespan it did not compute, so the measured bubble is
+
+    bubble = mean over ranks of idle / makespan
+
+which an ideal pipeline of uniform stages makes (p - 1) / (v m + p - 1).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpidist.pipeline.executor import StepStats
+
+__all__ = ["summarize", "gather_events", "plot_timeline"]
+
+
+def summarize(stats: StepStats, comm) -> dict:
+    """Collective over the pipeline communicator: the step's timing and memory, same on
+    every rank. Lists are per pipeline rank."""
+    rows = comm.comm.allgather((stats.wall, stats.busy, stats.peak_in_flight,
+                                stats.peak_stash_bytes, stats.microbatch_stash_bytes))
+    wall, busy, in_flight, peak_bytes, mb_bytes = (list(c) for c in zip(*rows))
+    makespan = max(wall)
+    idle = [makespan - b for b in busy]
+    return {
+        "makespan": makespan,
+        "busy": busy,
+        "idle": idle,
+        "bubble": float(np.mean(idle) / makespan) if makespan > 0 else 0.0,
+        "peak_in_flight": in_flight,
+        "peak_stash_bytes": peak_bytes,
+        "microbatch_stash_bytes": mb_bytes,
+        # peak activation memory in micro-batches' worth (chunk stashes over one's size)
+        "peak_microbatches": [p / b if b else 0.0 for p, b in zip(peak_bytes, mb_bytes)],
+    }
+
+
+def gather_events(stats: StepStats, comm, root: int = 0) -> list[list] | None:
+    """Collective: every rank's (kind, microbatch, stage, t0, t1) events on root, else None."""
+    return comm.comm.gather(stats.events, root=root)
+
+
+def plot_timeline(events_by_rank: list[list], path: str, title: str = "", virtual: int = 1,
+                  pp: int | None = None) -> str:
+    """Draw the step as it ran: one row per rank, forwards light and backwards dark, each
+    box labelled with its micro-batch (and chunk). Writes a PNG; returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pp = len(events_by_rank) if pp is None else pp
+    colors = {"F": ["#8fb8de", "#b5d99c", "#f2c57c", "#d4a5e0"],
+              "B": ["#2f6fa8", "#4d8a2e", "#c47f14", "#8a46a3"]}
+    end = max((e[4] for ev in events_by_rank for e in ev), default=1.0)
+    fig, ax = plt.subplots(figsize=(min(24, 6 + 0.25 * sum(map(len, events_by_rank)) / max(1, pp)),
+                                    1 + 0.6 * pp))
+    for r, events in enumerate(events_by_rank):
+        for kind, mb, stage, t0, t1 in events:
+            chunk = stage // pp
+            ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (r - 0.4, 0.8),
+                           facecolors=colors[kind][chunk % 4], edgecolor="black", linewidth=0.3)
+            if (t1 - t0) > 0.012 * end:
+                label = f"{kind}{mb}" + (f".{chunk}" if virtual > 1 else "")
+                ax.text((t0 + t1) / 2 * 1e3, r, label, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(len(events_by_rank)))
+    ax.set_yticklabels([f"rank {r}" for r in range(len(events_by_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since step start (ms)")
+    ax.set_xlim(0, end * 1e3 * 1.01)
+    ax.set_title(title or "pipeline timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
