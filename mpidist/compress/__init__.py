@@ -16,7 +16,7 @@ from mpidist.compress.randomk import RandomK
 from mpidist.compress.sign import Sign
 from mpidist.compress.topk import TopK
 
-__all__ = ["make_compressor", "compressor_names", "Compressor", "CompressedAllreduce",
+__all__ = ["make_compressor", "build_compressor", "compressor_names", "Compressor", "CompressedAllreduce",
            "FP16", "BF16", "TopK", "RandomK", "Sign", "QSGD", "PowerSGD", "COMPRESSORS"]
 
 COMPRESSORS = {cls.name: cls for cls in (FP16, BF16, TopK, RandomK, Sign, QSGD, PowerSGD)}
@@ -45,3 +45,6 @@ def make_compressor(name: str, **options) -> Compressor:
         valid = [p for p in inspect.signature(cls).parameters]
         raise ValueError(f"compressor {name!r} takes options {', '.join(valid)}; "
                          f"got {', '.join(sorted(options))}") from None
+
+
+build_compressor = make_compressor     # the spelling of the other registries (build_optimizer)

@@ -25,6 +25,8 @@ step on every rank (nonfinite="skip": residuals untouched, a NaN result, counted
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from mpi4py import MPI
 
@@ -34,7 +36,7 @@ from mpidist.errors import MismatchError, RemoteError
 from mpidist.kernels.backend import get_array_module, to_numpy
 from mpidist.partition import counts_displs
 
-__all__ = ["CompressedAllreduce", "ring_allreduce_bytes", "pack", "unpack"]
+__all__ = ["CompressedAllreduce", "Handle", "bucket_key", "ring_allreduce_bytes", "pack", "unpack"]
 
 _ALGORITHMS = ("auto", "gather", "ring", "linear")
 _NONFINITE = ("raise", "skip")
@@ -143,15 +145,42 @@ def _raw_decode(msg: np.ndarray, count: int) -> np.ndarray:
     return msg.view(np.float32)
 
 
+class Handle:
+    """What allreduce_async returns: the reduction already ran; wait() gives its result."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def wait(self):
+        return self._result
+
+
+def _address(a) -> int:
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+
+
+def bucket_key(buf) -> tuple[int, int]:
+    """(element offset of buf inside the array it views, length): the same for the same
+    bucket of a persistent flat buffer on every rank and after a restart."""
+    base = buf
+    while getattr(base, "base", None) is not None and hasattr(base.base, "dtype"):
+        base = base.base
+    offset = (_address(buf) - _address(base)) // buf.dtype.itemsize if base is not buf else 0
+    return int(offset), int(buf.shape[0]) if getattr(buf, "ndim", 0) == 1 else -1
+
+
 class CompressedAllreduce:
     """avg = ca(grad_flat, layout): the compressed average over the ranks of `comm`.
 
-    compressor: a Compressor (make_compressor(name, ...)); its residual is this rank's.
+    compressor: a Compressor (make_compressor(name, ...)). Its residual is this rank's and
+      belongs to one buffer: calls on other buffers (e.g. the buckets of one flat gradient,
+      told apart by bucket_key) get their own copy of the compressor, made on first use.
+      `ca.compressor` is the first buffer's.
     algorithm: "auto" (the compressor's own aggregation; gather for fp16/bf16 with error
       feedback), "gather", "ring", "linear".
-    warmup_steps: the first calls run an uncompressed float32 ring allreduce.
+    warmup_steps: each buffer's first calls run an uncompressed float32 ring allreduce.
     nonfinite: "raise" or "skip" when any rank's gradient holds inf/NaN.
-    After a call: bytes_sent (that call), total_bytes_sent, step, skipped_steps,
+    After a call: bytes_sent (that call), total_bytes_sent, step (calls), skipped_steps,
     last_skipped.
     """
 
@@ -180,12 +209,13 @@ class CompressedAllreduce:
         if nonfinite not in _NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(_NONFINITE)}, "
                              f"got {nonfinite!r}")
-        self.compressor = compressor
         self.comm = as_communicator(comm)
+        self.compressor = compressor
+        self._pristine = copy.deepcopy(compressor)
+        self._buffers: dict = {}        # bucket_key -> [compressor, calls]
         self.algorithm = algorithm
         self.warmup_steps = int(warmup_steps)
         self.nonfinite = nonfinite
-        compressor.stream = self.comm.rank      # independent randomness per rank
         self.step = 0
         self.bytes_sent = 0
         self.total_bytes_sent = 0
@@ -195,6 +225,15 @@ class CompressedAllreduce:
     def __repr__(self) -> str:
         return (f"CompressedAllreduce({self.compressor!r}, algorithm={self.algorithm!r}, "
                 f"warmup_steps={self.warmup_steps}, ranks={self.comm.size})")
+
+    def _buffer(self, key):
+        """[compressor, calls] of one buffer; the first buffer uses `self.compressor`."""
+        state = self._buffers.get(key)
+        if state is None:
+            c = self.compressor if not self._buffers else copy.deepcopy(self._pristine)
+            c.stream = self.comm.rank          # independent randomness per rank
+            state = self._buffers[key] = [c, 0]
+        return state
 
     # ---------------------------------------------------------------- agreement
     def _agree(self, grad, layout) -> bool:
@@ -242,34 +281,58 @@ class CompressedAllreduce:
     # ---------------------------------------------------------------- the call
     def __call__(self, grad, layout=None):
         """The average over ranks of the compressed gradients (same shape and dtype)."""
+        return self._reduce(grad, layout, "avg")
+
+    def allreduce_async(self, buf, *, op: str = "sum", layout=None) -> Handle:
+        """The engine's bucket interface: the sum (op="sum") or average ("avg") of one
+        bucket. It runs now (compression does not overlap); wait() returns the result.
+
+        layout: the layout of the bucket, or of the whole flat buffer the bucket views
+        (then the bucket's own segments are taken: PowerSGD needs them to see matrices).
+        """
+        if op not in ("sum", "avg"):
+            raise ValueError(f"compressed allreduce supports op 'sum' or 'avg', got {op!r}")
+        if layout is not None and getattr(buf, "ndim", 0) == 1 and layout.numel != buf.shape[0]:
+            lo, n = bucket_key(buf)
+            parts = layout.clip(lo, lo + n)
+            if not parts or parts[0][1] != lo or any(start != layout.segments[i].offset or
+                                                     stop != layout.segments[i].stop
+                                                     for i, start, stop in parts):
+                raise ValueError(f"bucket [{lo}, {lo + n}) does not cover whole segments of "
+                                 f"the layout; pass the bucket's own layout")
+            layout = layout.subset(layout.segments[i].name for i, _, _ in parts)
+        return Handle(self._reduce(buf, layout, op))
+
+    def _reduce(self, grad, layout, op):
         skip = self._agree(grad, layout)
         xp = get_array_module(grad)
         ring = _Ring(self.comm)
-        p = self.comm.size
         self.last_skipped = skip
         if skip:
             self.skipped_steps += 1
             out = xp.full(grad.shape, np.nan, dtype=np.float32)
         else:
+            state = self._buffer(bucket_key(grad))
             work = xp.ascontiguousarray(grad, dtype=np.float32)
-            if self.step < self.warmup_steps:
+            if state[1] < self.warmup_steps:
                 # warm-up: the uncompressed float32 ring
                 out = xp.asarray(ring.allreduce(to_numpy(work).copy(), _raw_encode, _raw_decode))
             elif self.algorithm == "gather":
-                out = self._gather(ring, work, layout)
+                out = self._gather(ring, state[0], work, layout)
             elif self.algorithm == "ring":
-                out = self._ring(ring, work)
+                out = self._ring(ring, state[0], work)
             else:
-                out = self._linear(ring, work, layout)
-            out /= p
+                out = self._linear(ring, state[0], work, layout)
+            state[1] += 1
+            if op == "avg":
+                out /= self.comm.size
         self.step += 1
         self.bytes_sent = ring.sent
         self.total_bytes_sent += ring.sent
         return out.astype(grad.dtype, copy=False)
 
-    def _gather(self, ring: _Ring, x, layout):
+    def _gather(self, ring: _Ring, c: Compressor, x, layout):
         """Allgather every rank's payload; decompress and sum them in rank order."""
-        c = self.compressor
         payload, ctx = c.compress(x, layout)
         dtypes = [a.dtype for a in payload]
         xp = get_array_module(x)
@@ -278,9 +341,8 @@ class CompressedAllreduce:
             c.decode_add(tuple(xp.asarray(a) for a in unpack(msg, dtypes)), ctx, out)
         return out
 
-    def _ring(self, ring: _Ring, x):
+    def _ring(self, ring: _Ring, c: Compressor, x):
         """Ring reduce-scatter and allgather on encoded chunks (fp16 / bf16)."""
-        c = self.compressor
         host = to_numpy(x).copy()
         dtypes = [a.dtype for a in c.encode(host[:0], None)[0]]
 
@@ -297,7 +359,7 @@ class CompressedAllreduce:
         c.step += 1
         return get_array_module(x).asarray(host)
 
-    def _linear(self, ring: _Ring, x, layout):
+    def _linear(self, ring: _Ring, c: Compressor, x, layout):
         """The compressor's own reduce, its sums done by the float32 ring."""
         xp = get_array_module(x)
 
@@ -305,17 +367,22 @@ class CompressedAllreduce:
             return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
                                              _raw_encode, _raw_decode))
 
-        return self.compressor.reduce(x, layout, allreduce_sum)
+        return c.reduce(x, layout, allreduce_sum)
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        """This rank's state (the residual is per rank: save one per rank)."""
+        """This rank's state (residuals are per rank: save one per rank), per buffer."""
         return {"step": self.step, "skipped_steps": self.skipped_steps,
                 "total_bytes_sent": self.total_bytes_sent,
-                "compressor": self.compressor.state_dict()}
+                "buffers": [[list(key), calls, c.state_dict()]
+                            for key, (c, calls) in self._buffers.items()]}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.compressor.load_state_dict(sd["compressor"])
+        self._buffers = {}
+        for key, calls, csd in sd["buffers"]:
+            state = self._buffer(tuple(key))
+            state[0].load_state_dict(csd)
+            state[1] = int(calls)
         self.step = int(sd["step"])
         self.skipped_steps = int(sd["skipped_steps"])
         self.total_bytes_sent = int(sd["total_bytes_sent"])

@@ -7,7 +7,8 @@ keep the most precision. A power of two scales exactly; k travels with the paylo
 
 Error bounds (round to nearest even):
   fp16: |x - C(x)| <= 2**-11 |x| + 2**-39 max|x|     (the second term: fp16 subnormals)
-  bf16: |x - C(x)| <= 2**-8 |x|                        (fp32's exponent range: no scaling)
+  bf16: |x - C(x)| <= 2**-8 |x| + 2**-134             (fp32's exponent range: no scaling;
+                                                       the second term: subnormals)
 
 Both re-quantize cleanly, so the compressed allreduce runs a ring on encoded chunks.
 """

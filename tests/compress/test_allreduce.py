@@ -187,6 +187,28 @@ def test_state_dict_round_trip(comm):
     assert a.total_bytes_sent == b.total_bytes_sent
 
 
+@pytest.mark.parametrize("name,opts", [("powersgd", {"rank": 2}), ("topk", {"ratio": 0.05})])
+def test_buckets_keep_their_own_state(comm, name, opts):
+    """The engine's interface: buckets of one flat buffer, each with its own residual."""
+    p = comm.size
+    split = LAYOUT["fc.weight"].offset
+    ca = CompressedAllreduce(make_compressor(name, **opts), comm)
+    sep = [CompressedAllreduce(make_compressor(name, **opts), comm) for _ in range(2)]
+    lays = [LAYOUT.subset(["conv.weight", "conv.bias"]), LAYOUT.subset(["fc.weight", "fc.bias"])]
+    for step in range(3):
+        flat = rank_grad(comm.rank, step)
+        outs = [ca.allreduce_async(flat[lo:hi], op="sum", layout=LAYOUT).wait()
+                for lo, hi in ((0, split), (split, LAYOUT.numel))]
+        refs = [s(flat[lo:hi].copy(), lay) for s, lay, (lo, hi)
+                in zip(sep, lays, ((0, split), (split, LAYOUT.numel)))]
+        for out, ref in zip(outs, refs):
+            assert np.allclose(out, ref * p, rtol=1e-5, atol=1e-6)
+    sd = ca.state_dict()
+    assert [key for key, _, _ in sd["buffers"]] == [[0, split], [split, LAYOUT.numel - split]]
+    with pytest.raises(ValueError, match="whole segments"):
+        ca.allreduce_async(flat[1:split], layout=LAYOUT)
+
+
 def test_bad_options_rejected(comm):
     with pytest.raises(TypeError, match="make_compressor"):
         CompressedAllreduce("topk", comm)
