@@ -163,6 +163,11 @@ class DistributedOptimizer:
         self._handles: list = []
 
     @property
+    def in_flight(self) -> int:
+        """Buckets launched and not yet waited for."""
+        return len(self._handles)
+
+    @property
     def last_micro_step(self) -> bool:
         """True while the backward now running finishes an optimizer step (buckets go out)."""
         return self._micro == self.accumulation - 1

@@ -1,0 +1,177 @@
+"""DistributedOptimizer and the data-parallel strategy on real MPI ranks (any world size)."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import nn
+from mpidist.comm import Communicator
+from mpidist.data import ArrayDataset, DistributedSampler, iterate, synthetic_arrays
+from mpidist.engine.config import validate
+from mpidist.engine.distributed import DistributedOptimizer, make_buckets
+from mpidist.engine.dp import DataParallel
+from mpidist.engine.strategy import InMemoryState, gather_state
+from mpidist.flat import Layout
+from mpidist.optim import build_optimizer
+
+
+def _config(optim="sgd", hyper=None, lr=0.05, **parallel):
+    cfg = validate({"job": {"seed": 3}, "model": {"name": "mlp", "hidden": [16, 12]},
+                    "data": {"dataset": "synthetic", "batch_size": 12},
+                    "optim": {"name": optim, "lr": lr, "hyper": hyper or {}},
+                    "parallel": {"strategy": "dp", "algorithm": "ring", **parallel}})
+    cfg["job"]["total_steps"] = 100
+    return cfg
+
+
+META = {"kind": "classification", "in_shape": (10,), "classes": 4}
+
+
+def _train(comm, cfg, steps=6, epoch=0):
+    """Losses of `steps` steps of DataParallel on a synthetic set, global batch 12."""
+    x, y = synthetic_arrays(60, 10, 4, seed=1)
+    data = ArrayDataset(x, y, META)
+    strategy = DataParallel(cfg, comm, META)
+    sampler = DistributedSampler(data.n, 12, rank=comm.rank, size=comm.size, seed=3)
+    sampler.set_epoch(epoch)
+    losses = []
+    for (xb, yb, count), _ in zip(iterate(data, sampler), range(steps)):
+        losses.append(strategy.train_step(xb, yb, global_count=count)["loss"])
+    return np.array(losses), strategy
+
+
+@pytest.mark.parametrize("optim,hyper,parallel", [
+    ("sgd", {"momentum": 0.9}, {}),
+    ("lamb", {}, {"bucket_mb": 0.0001}),
+    ("adamw", {}, {"accumulation": 2, "bucket_mb": 0.0}),
+])
+def test_dp_over_p_ranks_equals_one_rank_with_the_same_global_batch(comm, optim, hyper, parallel):
+    cfg = _config(optim, hyper, lr=0.01 if optim != "sgd" else 0.05, **parallel)
+    losses, strategy = _train(comm, cfg)
+    solo_comm = Communicator(MPI.COMM_SELF)
+    solo_losses, solo = _train(solo_comm, cfg)
+    assert np.allclose(losses, solo_losses, rtol=2e-5, atol=1e-6), (losses, solo_losses)
+    assert np.allclose(strategy.params.data, solo.params.data, rtol=1e-4, atol=1e-6)
+    assert losses[-1] < losses[0]
+    solo_comm.free()
+
+
+def test_same_seed_same_world_size_is_bit_identical(comm):
+    a, sa = _train(comm, _config("lamb", lr=0.01, bucket_mb=0.0001))
+    b, sb = _train(comm, _config("lamb", lr=0.01, bucket_mb=0.0001))
+    assert np.array_equal(a, b) and np.array_equal(sa.params.data, sb.params.data)
+    comm.check_same(sa.params.data.tobytes(), "parameters after training")
+
+
+def test_buckets_launch_during_backward(comm):
+    """With small buckets every bucket is in flight before step(); the last layer's first."""
+    model = nn.MLP(10, 4, hidden=[16, 12])
+    layout, params, grads = nn.materialize(model)
+    dopt = DistributedOptimizer(build_optimizer("sgd", layout, lr=0.1), params, grads, comm=comm,
+                                algorithm="ring", bucket_mb=0.0001)
+    dopt.attach(model)
+    assert len(dopt.buckets) > 2 and dopt.buckets[0][1] == layout.numel
+    model.backward(model.forward(np.ones((3, 10), np.float32)) * 0 + 1)
+    assert dopt.in_flight == len(dopt.buckets)
+    info = dopt.step()
+    assert info["applied"] and not info["skipped"] and dopt.in_flight == 0
+
+
+def test_make_buckets_cover_the_buffer_in_reverse():
+    layout = Layout([("a", (100,)), ("b", (3,)), ("c", (50,)), ("d", (7,))])
+    for mb in (0.0, 1e-9, 200 * 4 / 2 ** 20, 60 * 4 / 2 ** 20):
+        b = make_buckets(layout, 4, mb)
+        assert b[0][1] == layout.numel and b[-1][0] == 0
+        assert all(b[i][0] == b[i + 1][1] for i in range(len(b) - 1))
+        assert all(lo in layout.bounds and hi in layout.bounds for lo, hi in b)
+    assert make_buckets(layout, 4, 0.0) == [(0, 160)]
+    assert make_buckets(layout, 4, 1e-9) == [(153, 160), (103, 153), (100, 103), (0, 100)]
+
+
+def test_existing_code_loop_with_plain_arrays(comm):
+    """Logistic regression with the user's own arrays and hand-computed gradients."""
+    rng = np.random.default_rng(0)
+    x, y = synthetic_arrays(48, 5, 3, seed=2)
+    onehot = np.eye(3, dtype=np.float32)[y]
+    w = rng.normal(0, 0.1, (5, 3)).astype(np.float32) * (comm.rank + 1)   # ranks start apart...
+    b = np.zeros(3, np.float32)
+
+    def grads_of(w, b, xs, ts):
+        z = xs @ w + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        d = (p - ts) / len(xs)
+        return [xs.T @ d, d.sum(0)]
+
+    dopt = DistributedOptimizer.for_arrays([w, b], lambda layout: build_optimizer("sgd", layout, lr=0.5),
+                                           comm=comm, algorithm="ring", op="avg")
+    ref_w, ref_b = w.copy(), b.copy()         # ...and broadcast makes them rank 0's
+    comm.check_same(w.tobytes(), "w after broadcast")
+    lo, hi = comm.rank * 48 // comm.size, (comm.rank + 1) * 48 // comm.size
+    for _ in range(5):
+        shard = slice(lo, hi)
+        g = grads_of(w, b, x[shard], onehot[shard])
+        weight = (hi - lo) * comm.size / 48      # op="avg" wants each rank's local mean; rescale
+        dopt.step([gi * weight for gi in g])     # for uneven shards so the average is the global mean
+        gw, gb = grads_of(ref_w, ref_b, x, onehot)
+        ref_w -= 0.5 * gw
+        ref_b -= 0.5 * gb
+    assert np.allclose(w, ref_w, atol=1e-5) and np.allclose(b, ref_b, atol=1e-5)
+
+
+def test_accumulation_sends_only_on_the_last_micro_step(comm):
+    layout = Layout([("p0", (4,))])
+    w = np.ones(4, np.float32)
+    dopt = DistributedOptimizer.for_arrays([w], lambda lay: build_optimizer("sgd", lay, lr=1.0), comm=comm,
+                                           accumulation=3, op="avg")
+    assert dopt.layout == layout
+    for i in range(2):
+        info = dopt.step([np.full(4, 1.0, np.float32)])
+        assert not info["applied"] and np.all(w == 1)
+    info = dopt.step([np.full(4, float(comm.rank), np.float32)])
+    # average over ranks and micro-steps of (1, 1, rank)
+    expected = 1 - (2 + (comm.size - 1) / 2) / 3
+    assert info["applied"] and np.allclose(w, expected)
+
+
+def test_non_finite_gradient_on_one_rank_skips_the_step_everywhere(comm):
+    w = np.ones(6, np.float32)
+    dopt = DistributedOptimizer.for_arrays([w], lambda lay: build_optimizer("sgd", lay, lr=1.0), comm=comm)
+    g = np.ones(6, np.float32)
+    if comm.rank == comm.size - 1:
+        g[2] = np.nan
+    info = dopt.step([g], stats=[comm.rank])
+    assert info["skipped"] and np.all(w == 1)
+    assert info["stats"][0] == comm.size * (comm.size - 1) / 2
+    info = dopt.step([np.ones(6, np.float32)])
+    assert not info["skipped"] and np.allclose(w, 0.0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_settings_mismatch_raises_on_every_rank(comm):
+    from mpidist.errors import MismatchError
+    w = np.ones(3, np.float32)
+    with pytest.raises(MismatchError, match="DistributedOptimizer settings"):
+        DistributedOptimizer.for_arrays([w], lambda lay: build_optimizer("sgd", lay, lr=1.0), comm=comm,
+                                        bucket_mb=1.0 + (comm.rank == comm.size - 1))
+
+
+def test_bad_arguments():
+    w = np.ones(3, np.float32)
+    with pytest.raises(TypeError, match="FlatBuffer"):
+        DistributedOptimizer(None, w, w)
+
+
+def test_state_dict_round_trip_at_any_world_size(comm):
+    losses, strategy = _train(comm, _config("adamw", lr=0.01), steps=3)
+    full = gather_state(strategy.state_dict(), comm)
+    states = sorted(strategy.optimizer.state_buffers())
+    assert states and set(full.keys()) == {f"{p}/{n}" for p in ["params"] + [f"optim/{s}" for s in states]
+                                           for n in strategy.layout.names}
+    assert np.array_equal(full.tensors["params/fc1.weight"], strategy.params.view("fc1.weight"))
+    fresh = DataParallel(_config("adamw", lr=0.01), comm, META)
+    fresh.load_state_dict(InMemoryState(full.step, full.tensors, full.scalars))
+    assert fresh.step == 3 and np.array_equal(fresh.params.data, strategy.params.data)
+    for k, v in strategy.optimizer.state_buffers().items():
+        assert np.array_equal(fresh.optimizer.state_buffers()[k], v)
+    mem = strategy.memory_report()
+    assert mem["params"] == strategy.params.data.nbytes and mem["total"] >= mem["params"] + mem["grads"]
