@@ -18,7 +18,7 @@ import weakref
 
 from mpidist.errors import MismatchError, RemoteError
 
-__all__ = ["MODES", "set_mode", "get_mode", "check"]
+__all__ = ["MODES", "set_mode", "get_mode", "check", "checked"]
 
 MODES = ("first", "always", "off")
 _state = {"mode": None}
@@ -49,6 +49,12 @@ def get_mode() -> str:
         mode = os.environ.get("MPIDIST_GUARD", "first").strip().lower() or "first"
         set_mode({"1": "first", "0": "off"}.get(mode, mode))
     return _state["mode"]
+
+
+def checked(comm) -> frozenset:
+    """The signatures already checked on comm (the "first" mode skips these)."""
+    with _lock:
+        return frozenset(_seen.get(comm, ()))
 
 
 def check(comm, signature: str | None, error: BaseException | None = None) -> None:
