@@ -1,0 +1,45 @@
+"""`mpidist train` under mpiexec: a bad config fails on every rank (exit 2, no hang); the main
+job trains to its target and leaves metrics and a plot. Launcher tests: single-rank session only."""
+import json
+import os
+import sys
+
+import pytest
+
+from mpidist import launcher
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(180)
+def test_bad_config_fails_with_a_message_on_every_rank(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[job]\nepocs = 3\n[optim]\nname = "lamb"\nlr = -1\n[parallel]\nalgorithm = "ring"\n')
+    proc = launcher.run(3, [sys.executable, "-m", "mpidist", "train", str(bad)], timeout=150,
+                        capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    for r in range(3):
+        line = next((ln for ln in proc.stderr.splitlines() if ln.startswith(f"[rank {r}/3]")), "")
+        assert "invalid config" in line, proc.stderr[-3000:]
+    assert "did you mean 'epochs'" in proc.stderr and "lr = -1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_main_job_end_to_end(tmp_path):
+    """jobs/digits_lamb.toml on 4 ranks: >= 95% test accuracy, metrics JSONL, PNG plot."""
+    out = tmp_path / "out"
+    job = os.path.abspath(os.path.join(ROOT, "jobs", "digits_lamb.toml"))
+    proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", job, "--set", f"job.out_dir='{out}'",
+                            "--set", "job.progress=false", "--set", f"data.cache_dir='{tmp_path}'",
+                            "--set", f"checkpoint.dir='{tmp_path / 'ckpt'}'"],
+                        timeout=280, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ranks"] == 4 and summary["test_accuracy"] >= 0.95
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["event"] == "step"]
+    assert len(steps) == summary["steps"] and {"t_compute", "t_comm", "t_optim", "loss"} <= set(steps[0])
+    assert (out / "training.png").stat().st_size > 10_000
