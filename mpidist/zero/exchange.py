@@ -10,7 +10,9 @@ Communicator's private comm), sending raw bytes so fp16/bf16 travel at two bytes
 - reduce-scatter-v: every rank sends the piece of its bucket that rank r owns straight to
   r; the owner sums the `size` pieces in rank order in an fp32 (or wider) accumulator and
   rounds once, so the result does not depend on the order of arrival and half-precision
-  gradients are rounded exactly once (the same as an fp32-accumulated allreduce).
+  gradients are rounded exactly once (the same as an fp32-accumulated allreduce). Each rank
+  sends what it does not own, (size-1)/size of the bucket on average, like a ring; the owner
+  holds `size` pieces of its part while the exchange is in flight.
 - allgather-v: every rank contributes the piece of [lo, hi) inside its shard.
 
 Both return a Pending handle at once, so the exchange overlaps the caller's compute (the
@@ -54,7 +56,7 @@ class Pending:
 
     def __init__(self, request, finish, buffers):
         self._request, self._finish = request, finish
-        self.buffers = buffers          # what the exchange holds while in flight
+        self.buffers = buffers          # what the exchange holds (until the handle is dropped)
         self._result, self._done = None, False
 
     @property
@@ -66,7 +68,7 @@ class Pending:
         if not self._done:
             self._request.Wait()
             self._result = self._finish()
-            self._done, self.buffers, self._finish = True, (), None
+            self._done, self._finish = True, None
         return self._result
 
 
@@ -94,7 +96,8 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, scale: float =
     _, mine = shards.mine(lo, hi)
     item = buf.dtype.itemsize
     recv = xp.empty((comm.size, mine), dtype=buf.dtype)
-    send_mpi, recv_mpi = comm.to_mpi(xp.ascontiguousarray(buf)), comm.to_mpi(recv)
+    src = buf if buf.flags.c_contiguous else xp.ascontiguousarray(buf)
+    send_mpi, recv_mpi = comm.to_mpi(src), comm.to_mpi(recv)
     scounts = [c * item for _, c in pieces]
     sdispls = [s * item for s, _ in pieces]
     rcounts = [mine * item] * comm.size

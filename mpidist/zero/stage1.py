@@ -49,7 +49,5 @@ class Stage1(ZeroEngine):
         self.inflight.drop(summed)
 
     def _publish_params(self) -> None:
-        # 4. allgather the updated shards (a copy of mine: MPI may not alias send and receive)
-        mine = self.inflight.add(self.param_shard().copy())
-        allgather(mine, comm=self.comm, out=self.params.data)
-        self.inflight.drop(mine)
+        # 4. allgather the updated shards in place (the ring allgather leaves my chunk alone)
+        allgather(self.param_shard(), comm=self.comm, out=self.params.data, algorithm="ring")

@@ -150,6 +150,5 @@ class Stage2(ZeroEngine):
         self.grads.finish()
 
     def _publish_params(self) -> None:
-        mine = self.inflight.add(self.param_shard().copy())
-        allgather(mine, comm=self.comm, out=self.params.data)
-        self.inflight.drop(mine)
+        # 4. allgather the updated shards in place (the ring allgather leaves my chunk alone)
+        allgather(self.param_shard(), comm=self.comm, out=self.params.data, algorithm="ring")
