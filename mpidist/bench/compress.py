@@ -1,0 +1,253 @@
+"""`mpidist bench compress`: payload size, bytes each rank sends, kernel throughput and
+(optionally) time-to-accuracy of every gradient compressor.
+
+    python -m mpidist.launcher -n 4 -- mpidist bench compress                 # 25M floats
+    python -m mpidist.launcher -n 2 -- mpidist bench compress --numel 2000000 --steps 2
+    python -m mpidist.launcher -n 4 -- mpidist bench compress --numel 1000000 \\
+        --tta jobs/digits_lamb.toml                 # also train the job once per compressor
+
+Phases:
+  1. kernels: rank 0 alone (the others wait in a barrier) times each compressor's encode
+     on one core, as GB/s of float32 input, next to NumPy baselines (astype(float16),
+     argpartition for top-k); the payload ratio is payload bytes / dense float32 bytes.
+  2. allreduce: all ranks run the compressed allreduce on their own gradient; bytes are
+     the exact bytes each rank sent, against the uncompressed float32 ring's 2(p-1)/p.
+  3. time-to-accuracy (--tta CONFIG): the training job once per compressor through
+     mpidist.engine, with error feedback where the compressor has it.
+The gradient is a layout of 6 square layers plus a dense tail (so PowerSGD has matrices).
+Writes compress.csv, compress.json and compress.png under --out (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import time
+
+import numpy as np
+
+__all__ = ["main", "CONFIGS", "bench_layout"]
+
+# (label, compressor name, options)
+CONFIGS = [
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("topk 1%", "topk", {"ratio": 0.01}),
+    ("topk 1% sampled", "topk", {"ratio": 0.01, "method": "sampled"}),
+    ("randomk 1%", "randomk", {"ratio": 0.01}),
+    ("sign (1-bit)", "sign", {}),
+    ("qsgd 4-bit", "qsgd", {"levels": 7}),
+    ("powersgd r4", "powersgd", {"rank": 4}),
+]
+
+
+def bench_layout(numel: int, layers: int = 6):
+    """`layers` square matrices plus a dense tail, numel elements in all."""
+    from mpidist.flat import Layout
+    side = int(math.isqrt(max(numel // layers, 1)))
+    shapes = [(f"layer{i}.weight", (side, side)) for i in range(layers)]
+    tail = numel - layers * side * side
+    if tail > 0:
+        shapes.append(("tail", (tail,)))
+    return Layout(shapes)
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _kernels(layout, x, reps: int) -> dict:
+    """Rank 0: encode throughput (GB/s of input) and payload ratio per compressor."""
+    from mpidist.compress import make_compressor
+    gb = x.nbytes / 1e9
+    rows = {}
+    for label, name, opts in CONFIGS:
+        c = make_compressor(name, **opts)
+        payload, _ = c.compress(x, layout)                 # JIT cache load, warm start
+        t = _best(lambda: c.encode(x, layout), reps)
+        rows[label] = {"payload_ratio": c.payload_nbytes(payload) / x.nbytes,
+                       "encode_GBps": gb / t, "encode_s": t}
+    k = max(1, math.ceil(0.01 * x.size))
+    rows["numpy astype(float16)"] = {"encode_GBps": gb / _best(lambda: x.astype(np.float16), reps)}
+    rows["numpy argpartition 1%"] = {
+        "encode_GBps": gb / _best(lambda: np.argpartition(np.abs(x), x.size - k)[x.size - k:],
+                                  reps)}
+    return rows
+
+
+def _allreduce(comm, layout, x, steps: int) -> dict:
+    """All ranks: median seconds and max bytes sent per rank of each compressed allreduce."""
+    from mpidist.compress import CompressedAllreduce, make_compressor
+    from mpidist.compress.allreduce import ring_allreduce_bytes
+    p, n = comm.size, x.size
+    dense = max(comm.comm.allgather(ring_allreduce_bytes(n, p, comm.rank)))
+    rows = {}
+    runs = [("dense fp32 ring", "topk", {"ratio": 0.01}, steps)] + \
+        [(label, name, opts, 0) for label, name, opts in CONFIGS]
+    for label, name, opts, warmup in runs:
+        ca = CompressedAllreduce(make_compressor(name, **opts), comm, warmup_steps=warmup)
+        times, sent = [], 0
+        for _ in range(steps):
+            comm.comm.Barrier()
+            t0 = time.perf_counter()
+            ca(x, layout)
+            times.append(time.perf_counter() - t0)
+            sent = max(sent, ca.bytes_sent)
+        t = max(comm.comm.allgather(float(np.median(times))))
+        sent = max(comm.comm.allgather(sent))
+        rows[label] = {"bytes_sent": sent, "wire_ratio": sent / dense if dense else float("nan"),
+                       "allreduce_s": t}
+        del ca
+    rows["dense fp32 ring"]["dense_ring_bytes"] = dense
+    return rows
+
+
+def _tta(comm, config_path: str, out: str) -> dict:
+    """Train the job once per compressor (and once uncompressed): accuracy and seconds."""
+    try:
+        from mpidist.engine.config import load_config
+        from mpidist.engine.loop import run
+    except ImportError as exc:
+        return {"missing": f"mpidist.engine is not usable here ({exc})"}
+    rows = {}
+    # the job config names a compressor only: each with its default options
+    for name in ["none"] + list(dict.fromkeys(nm for _, nm, _ in CONFIGS)):
+        label = "uncompressed" if name == "none" else name
+        job_out = os.path.join(out, "tta", name)
+        try:
+            cfg = load_config(config_path, comm, {"parallel.compression": name,
+                                                  "job.out_dir": job_out, "job.progress": False,
+                                                  "job.plot": False})
+            summary = run(cfg, comm)
+            target = cfg["job"].get("target_accuracy")
+            rows[label] = {"test_accuracy": summary["test_accuracy"],
+                           "train_s": summary["train_seconds"],
+                           "time_to_target_s": _time_to(os.path.join(job_out, "metrics.jsonl"),
+                                                        target, comm)}
+        except Exception as exc:      # the engine's error, agreed on every rank by it
+            rows[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return rows
+
+
+def _time_to(path: str, target, comm):
+    """Seconds of training steps until the first evaluation at >= target (rank 0's log)."""
+    result = None
+    if comm.rank == 0 and target and os.path.exists(path):
+        elapsed = 0.0
+        with open(path) as fh:
+            for line in fh:
+                rec = json.loads(line)
+                if rec.get("event") == "step":
+                    elapsed += rec.get("t_step", 0.0)
+                elif rec.get("event") == "eval" and rec.get("accuracy", 0) >= target:
+                    result = elapsed
+                    break
+    return comm.comm.bcast(result, root=0)
+
+
+def _fmt(v, spec: str) -> str:
+    width = int(re.match(r"\d*", spec).group() or 0)
+    missing = v is None or (isinstance(v, float) and math.isnan(v))
+    return f"{'-':>{width}}" if missing else format(v, spec)
+
+
+def _table(report: dict) -> str:
+    k, a = report["kernels"], report["allreduce"]
+    lines = [f"compress bench: {report['numel']} float32 ({report['numel'] * 4 / 1e6:.0f} MB), "
+             f"{report['ranks']} ranks; dense ring sends "
+             f"{a['dense fp32 ring']['dense_ring_bytes'] / 1e6:.2f} MB per rank",
+             f"{'compressor':<24}{'payload':>9}{'encode GB/s':>13}{'sent MB/rank':>14}"
+             f"{'vs ring':>9}{'allreduce s':>13}"]
+    for label in ["dense fp32 ring"] + [c[0] for c in CONFIGS] + \
+            ["numpy astype(float16)", "numpy argpartition 1%"]:
+        kr, ar = k.get(label, {}), a.get(label, {})
+        lines.append(f"{label:<24}{_fmt(kr.get('payload_ratio'), '9.4f')}"
+                     f"{_fmt(kr.get('encode_GBps'), '13.2f')}"
+                     f"{_fmt(ar.get('bytes_sent', 0) / 1e6 if ar else None, '14.3f')}"
+                     f"{_fmt(ar.get('wire_ratio'), '9.4f')}{_fmt(ar.get('allreduce_s'), '13.3f')}")
+    tta = report.get("tta")
+    if tta:
+        lines.append("time to accuracy (" + report["tta_config"] + "):")
+        if "missing" in tta:
+            lines.append("  " + tta["missing"])
+        for label, r in tta.items():
+            if label == "missing":
+                continue
+            if "error" in r:
+                lines.append(f"  {label:<22}failed: {r['error']}")
+            else:
+                lines.append(f"  {label:<22}test accuracy {r['test_accuracy']:.4f}  "
+                             f"train {r['train_s']:.1f} s  to target "
+                             f"{_fmt(r['time_to_target_s'], '.1f')} s")
+    return "\n".join(lines)
+
+
+def _plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [c[0] for c in CONFIGS]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].barh(labels, [report["allreduce"][lab]["wire_ratio"] for lab in labels])
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("bytes sent per rank / uncompressed ring")
+    axes[1].barh(labels, [report["kernels"][lab]["encode_GBps"] for lab in labels])
+    axes[1].axvline(1.0, color="k", linestyle=":")
+    axes[1].set_xlabel("encode GB/s of float32 input, one core")
+    fig.suptitle(f"gradient compression: {report['numel']} floats, {report['ranks']} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpidist bench compress", description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", type=int, default=25_000_000, help="gradient length (25M)")
+    parser.add_argument("--steps", type=int, default=3, help="allreduce calls per compressor")
+    parser.add_argument("--reps", type=int, default=3, help="kernel timings (best of)")
+    parser.add_argument("--tta", metavar="CONFIG", default=None,
+                        help="also train this job config once per compressor")
+    parser.add_argument("--out", default=os.path.join("results", "bench", "compress"))
+    args = parser.parse_args(argv)
+    if args.numel < 64 or args.steps < 1 or args.reps < 1:
+        parser.error("--numel >= 64, --steps >= 1 and --reps >= 1")
+
+    from mpidist.comm import Communicator, mpi_library
+    comm = Communicator()
+    layout = bench_layout(args.numel)
+    x = np.random.default_rng(comm.rank).standard_normal(layout.numel).astype(np.float32)
+    # 1. kernels, rank 0 alone on its core
+    kernels = _kernels(layout, x, args.reps) if comm.rank == 0 else None
+    comm.comm.Barrier()
+    kernels = comm.comm.bcast(kernels, root=0)
+    # 2. the compressed allreduce on every rank
+    allreduce = _allreduce(comm, layout, x, args.steps)
+    del x
+    report = {"numel": layout.numel, "ranks": comm.size, "mpi": mpi_library(),
+              "kernels": kernels, "allreduce": allreduce}
+    # 3. time-to-accuracy through the engine
+    if args.tta:
+        report["tta_config"] = args.tta
+        report["tta"] = _tta(comm, args.tta, args.out)
+    if comm.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "compress.json"), "w") as fh:
+            json.dump(report, fh, indent=1)
+        with open(os.path.join(args.out, "compress.csv"), "w") as fh:
+            fh.write("compressor,payload_ratio,encode_GBps,bytes_sent_per_rank,wire_ratio,"
+                     "allreduce_s\n")
+            for label in ["dense fp32 ring"] + [c[0] for c in CONFIGS]:
+                kr, ar = kernels.get(label, {}), allreduce[label]
+                fh.write(f"{label},{kr.get('payload_ratio', '')},{kr.get('encode_GBps', '')},"
+                         f"{ar['bytes_sent']},{ar['wire_ratio']},{ar['allreduce_s']}\n")
+        _plot(report, os.path.join(args.out, "compress.png"))
+        print(_table(report), flush=True)
+    comm.free()
+    return 0
