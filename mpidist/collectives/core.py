@@ -17,7 +17,7 @@ from mpidist.comm import as_communicator
 from mpidist.kernels.backend import get_array_module, is_cupy
 from mpidist.partition import chunk, counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run_allreduce"]
 
 _PARTS = {"ring": ring, "native": native}
 
@@ -70,12 +70,11 @@ def _store(c, src, dst, widened: bool) -> None:
     c.from_mpi(src, dst)
 
 
-def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
-    """Reduce `buf` over all ranks of `comm`; every rank gets the same bits.
+def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
+    """Check the arguments on every rank together (mismatch guard included).
 
-    op: "sum", "avg", "min", "max", "prod". algorithm: a name in ALGORITHMS or "auto"
-    (cheapest by the cost model). out=None reduces in place and returns buf; otherwise the
-    result goes to out (same dtype and size) and out is returned.
+    Returns (comm, x, y, op, algorithm name): x the flat input, y the flat output (x itself
+    in place); "auto" is resolved here, identically on every rank.
     """
     c = as_communicator(comm)
     error, signature = None, None
@@ -87,15 +86,21 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
         y = x if out is None else _check_out(out, buf, x.size, "buf")
         if y is not x and _overlap(x, y):
             raise ValueError("out overlaps buf; pass out=None to reduce in place")
-        signature = f"allreduce(n={x.size}, dtype={x.dtype}, op={opx.name}, algorithm={algorithm})"
+        signature = f"{kind}(n={x.size}, dtype={x.dtype}, op={opx.name}, algorithm={algorithm})"
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)
-    result = buf if out is None else out
+    name = algorithm
+    if algorithm == "auto":
+        name = select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) if x.size \
+            else "native"
+    return c, x, y, opx, name
+
+
+def run_allreduce(c, x, y, opx, name: str) -> None:
+    """Run algorithm `name` on checked arguments: widen half precision, stage device data."""
     if x.size == 0:
-        return result
-    name = select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) \
-        if algorithm == "auto" else algorithm
+        return
     fn = ALGORITHMS[name]
     sbuf, widened = _to_acc(c, x)
     if y is x:
@@ -105,7 +110,18 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
         rbuf = sbuf if widened else c.to_mpi(y)
         fn(c, sbuf, rbuf, opx)
         _store(c, rbuf, y, widened)
-    return result
+
+
+def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
+    """Reduce `buf` over all ranks of `comm`; every rank gets the same bits.
+
+    op: "sum", "avg", "min", "max", "prod". algorithm: a name in ALGORITHMS or "auto"
+    (cheapest by the cost model). out=None reduces in place and returns buf; otherwise the
+    result goes to out (same dtype and size) and out is returned.
+    """
+    c, x, y, opx, name = prepare_allreduce(comm, buf, op, algorithm, out)
+    run_allreduce(c, x, y, opx, name)
+    return buf if out is None else out
 
 
 def _part_module(algorithm: str):

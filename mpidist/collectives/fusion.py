@@ -1,0 +1,166 @@
+"""Tensor fusion and nonblocking allreduce.
+
+Many small tensors (a model's gradients) are packed into buckets of at most
+`bucket_bytes` and each bucket is reduced as one message, so the per-message latency is
+paid once per bucket, not once per tensor. `allreduce_async` returns a Handle at once;
+the reduction runs on a per-communicator worker thread (over its own duplicate of the
+communicator, so it never mixes with the caller's messages), in submission order, which is
+the same on every rank. `h.wait()` returns the result, so a training loop can launch a
+bucket as soon as backward has produced it and keep computing.
+
+Needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default); with a lower thread level the
+reduction runs inside allreduce_async and the handle is already complete.
+Arrays handed to allreduce_async must not be touched until wait() returns.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from mpi4py import MPI
+
+from mpidist.collectives import guard, select
+from mpidist.collectives.core import _check_out, _flat, prepare_allreduce, run_allreduce
+from mpidist.collectives.ops import accumulator_dtype, get_op
+from mpidist.collectives.registry import get_algorithm
+from mpidist.comm import as_communicator
+from mpidist.kernels.backend import get_array_module
+
+__all__ = ["Handle", "allreduce_async", "buckets", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = int(os.environ.get("MPIDIST_BUCKET_BYTES", 25 << 20))
+_ASYNC_COLOR = 0x6D7064        # the worker's communicator: one split of the caller's, cached
+
+
+class Handle:
+    """A pending allreduce; wait() blocks until it is done and returns its result."""
+
+    def __init__(self, futures: list[Future], result):
+        self._futures = futures
+        self._result = result
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None):
+        for f in self._futures:
+            f.result(timeout)          # re-raises the worker's exception, if any
+        return self._result
+
+
+class _Worker:
+    def __init__(self, comm):
+        self.comm = comm.split(_ASYNC_COLOR, comm.rank)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-allreduce")
+
+    def submit(self, fn, *args) -> Future:
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            fut: Future = Future()
+            try:
+                fut.set_result(fn(self.comm, *args))
+            except BaseException as exc:   # delivered by wait(), like a worker failure
+                fut.set_exception(exc)
+            return fut
+        return self.pool.submit(fn, self.comm, *args)
+
+
+_workers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _worker(c) -> _Worker:
+    """The worker of communicator c (collective on first use: it splits c)."""
+    with _lock:
+        w = _workers.get(c)
+    if w is None:
+        w = _Worker(c)
+        with _lock:
+            _workers[c] = w
+    return w
+
+
+def buckets(arrays, bucket_bytes: int) -> list[list[int]]:
+    """Indices of consecutive arrays packed greedily into buckets of at most bucket_bytes;
+    a bucket holds one dtype; an array larger than bucket_bytes is a bucket of its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    out: list[list[int]] = []
+    size, key = 0, None
+    for i, a in enumerate(arrays):
+        k = (a.dtype, get_array_module(a).__name__)
+        if out and k == key and size + a.nbytes <= bucket_bytes:
+            out[-1].append(i)
+            size += a.nbytes
+        else:
+            out.append([i])
+            size, key = a.nbytes, k
+    return out
+
+
+def _fused(comm, packed, opx, name, dests, bounds):
+    """Worker job: reduce one packed bucket, then scatter it back into its tensors."""
+    run_allreduce(comm, packed, packed, opx, name)
+    for d, (lo, hi) in zip(dests, bounds):
+        d[...] = packed[lo:hi].reshape(d.shape)
+
+
+def _choose(c, x) -> str:
+    return select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) if x.size else "native"
+
+
+def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
+                    bucket_bytes: int | None = None) -> Handle:
+    """Start an allreduce and return its Handle (h.wait() -> the result).
+
+    buf: one array (in place, or into out=) or a list/tuple of arrays, fused into buckets
+    of bucket_bytes (default DEFAULT_BUCKET_BYTES, env MPIDIST_BUCKET_BYTES); then out is
+    None (in place) or a list of arrays like buf, and wait() returns that list.
+    """
+    c = as_communicator(comm)
+    if not isinstance(buf, (list, tuple)):
+        c, x, y, opx, name = prepare_allreduce(c, buf, op, algorithm, out, "allreduce_async")
+        fut = _worker(c).submit(run_allreduce, x, y, opx, name)
+        return Handle([fut], buf if out is None else out)
+    return _allreduce_fused(c, list(buf), op, algorithm, out, bucket_bytes)
+
+
+def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
+    error, signature = None, None
+    try:
+        flat = [_flat(a, f"buf[{i}]") for i, a in enumerate(arrays)]
+        opx = get_op(op)
+        if algorithm != "auto":
+            get_algorithm(algorithm)
+        if out is None:
+            dests = arrays
+        else:
+            if not isinstance(out, (list, tuple)) or len(out) != len(arrays):
+                raise TypeError("out must be a list with one array per input array")
+            dests = list(out)
+            for a, o in zip(arrays, dests):
+                _check_out(o, a, a.size, "buf")
+        groups = buckets(flat, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        shape = [(len(g), sum(flat[i].size for i in g), str(flat[g[0]].dtype)) for g in groups]
+        signature = f"allreduce_async(buckets={shape}, op={opx.name}, algorithm={algorithm})"
+    except (TypeError, ValueError) as exc:
+        error = exc
+    guard.check(c, signature, error)
+    worker = _worker(c)
+    futures = []
+    for g in groups:
+        if len(g) == 1:                 # one tensor: reduce it where it is, no packing
+            i = g[0]
+            dest = flat[i] if out is None else dests[i].reshape(-1)
+            name = algorithm if algorithm != "auto" else _choose(c, flat[i])
+            futures.append(worker.submit(run_allreduce, flat[i], dest, opx, name))
+            continue
+        packed = get_array_module(flat[g[0]]).concatenate([flat[i] for i in g])
+        ends = [0]
+        for i in g:
+            ends.append(ends[-1] + flat[i].size)
+        name = algorithm if algorithm != "auto" else _choose(c, packed)
+        futures.append(worker.submit(_fused, packed, opx, name, [dests[i] for i in g],
+                                     list(zip(ends[:-1], ends[1:]))))
+    return Handle(futures, arrays if out is None else list(out))
