@@ -77,9 +77,12 @@ class PowerSGD(Compressor):
         return {**super().config(), "rank": self.rank}
 
     def plan_for(self, layout, n: int) -> Plan:
-        """The plan of a layout (or of one n-element vector: nothing to compress)."""
+        """The plan of a layout of n elements (its matrices are what PowerSGD compresses)."""
         if layout is None:
-            return make_plan([(0, (n,))], self.rank)
+            raise ValueError("PowerSGD needs the layout of the gradient to find its matrices: "
+                             "pass layout= (a flat vector alone has none)")
+        if layout.numel != n:
+            raise ValueError(f"layout has {layout.numel} elements, gradient {n}")
         return make_plan([(s.offset, s.shape) for s in layout.segments], self.rank)
 
     def _warm_q(self, plan: Plan, xp):

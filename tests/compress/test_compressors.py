@@ -217,6 +217,11 @@ def test_out_of_range_options_rejected(name, opts, match):
         make_compressor(name, **opts)
 
 
+def test_powersgd_needs_a_layout():
+    with pytest.raises(ValueError, match="layout"):
+        make_compressor("powersgd").compress(grad(100))
+
+
 def test_wrong_input_rejected():
     c = make_compressor("sign")
     with pytest.raises(TypeError, match="float32"):
