@@ -11,30 +11,28 @@ reductions (finite check, sums of squares) are per chunk, summed per segment by 
 Five kernels serve the four optimizers: options are arguments, not specialisations, so a
 new process loads five cached functions (`cache=True`) and compiles nothing.
 """
+import numba
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["CPUKernels", "all_finite", "sumsq_pg", "lamb_sums", "momentum_update",
+__all__ = ["CPUKernels", "sumsq_pg", "lamb_sums", "momentum_update",
            "adam_update", "segment_totals"]
 
 _EXP = np.uint32(0x7F800000)  # float32 exponent bits: all ones <=> Inf or NaN
+# Below this many elements a kernel runs on the calling thread: waking the thread pool
+# costs more than the work (milliseconds when the cores are busy).
+PARALLEL_MIN = 1 << 16
 
 
 @njit(parallel=True, fastmath=False, cache=True)
 def _max_exponent(u, lo, hi, out):
-    """out[c] = the largest exponent field over chunk c of the float32 bits u."""
+    """out[c] = the largest exponent field over chunk c of the float32 bits u: all ones
+    means an Inf or NaN there (an integer max, which vectorises unlike a float test)."""
     for c in prange(lo.shape[0]):
         e = np.uint32(0)
         for i in range(lo[c], hi[c]):
             e = max(e, u[i] & _EXP)
         out[c] = e
-
-
-def all_finite(g, lo, hi) -> bool:
-    """True when no element of the float32 array g is Inf or NaN (integer max: vectorised)."""
-    out = np.empty(lo.shape[0], np.uint32)
-    _max_exponent(g.view(np.uint32), lo, hi, out)
-    return bool(np.all(out != _EXP))
 
 
 @njit(parallel=True, fastmath=False, cache=True)
@@ -191,27 +189,40 @@ class CPUKernels:
 
     def __init__(self, plan):
         self.lo, self.hi, self.seg, self.nseg = plan.lo, plan.hi, plan.seg, plan.nseg
+        self.serial = int(plan.pbounds[-1]) < PARALLEL_MIN
+
+    def _run(self, kernel, *args):
+        if not self.serial:
+            return kernel(*args)
+        threads = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            return kernel(*args)
+        finally:
+            numba.set_num_threads(threads)
 
     def all_finite(self, g) -> bool:
-        return all_finite(g, self.lo, self.hi)
+        out = np.empty(self.lo.shape[0], np.uint32)
+        self._run(_max_exponent, g.view(np.uint32), self.lo, self.hi, out)
+        return bool(np.all(out != _EXP))
 
     def sumsq_pg(self, p, g, gscale):
         out = np.empty((self.lo.shape[0], 2), np.float64)
-        sumsq_pg(p, g, gscale, self.lo, self.hi, out)
+        self._run(sumsq_pg, p, g, gscale, self.lo, self.hi, out)
         return segment_totals(out, self.seg, self.nseg)
 
     def lamb_sums(self, p, g, m, v, vmax, seg_wd, gscale, b1, b2, eps, bc1, bc2, amsgrad):
         out = np.empty((self.lo.shape[0], 3), np.float64)
-        lamb_sums(p, g, m, v, vmax, self.lo, self.hi, self.seg, seg_wd, gscale, b1, b2, eps,
-                  bc1, bc2, amsgrad, out)
+        self._run(lamb_sums, p, g, m, v, vmax, self.lo, self.hi, self.seg, seg_wd, gscale, b1, b2,
+                  eps, bc1, bc2, amsgrad, out)
         return segment_totals(out, self.seg, self.nseg)
 
     def adam_update(self, p, g, m, v, vmax, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
                     amsgrad):
-        adam_update(p, g, m, v, vmax, self.lo, self.hi, self.seg, seg_wd, seg_c, gscale, b1, b2,
-                    eps, bc1, bc2, amsgrad)
+        self._run(adam_update, p, g, m, v, vmax, self.lo, self.hi, self.seg, seg_wd, seg_c, gscale,
+                  b1, b2, eps, bc1, bc2, amsgrad)
 
     def momentum_update(self, p, g, buf, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
                         use_buf):
-        momentum_update(p, g, buf, self.lo, self.hi, self.seg, seg_wd, seg_c, gscale, decay, mom,
-                        lr, nesterov, use_buf)
+        self._run(momentum_update, p, g, buf, self.lo, self.hi, self.seg, seg_wd, seg_c, gscale,
+                  decay, mom, lr, nesterov, use_buf)
