@@ -110,8 +110,10 @@ class DistributedOptimizer:
             return lambda buf: allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
         from mpidist.compress import CompressedAllreduce, build_compressor
 
-        compressed = CompressedAllreduce(build_compressor(compression), self.comm)
-        return lambda buf: compressed.allreduce_async(buf, op="sum")
+        # nonfinite="skip": a NaN/Inf bucket comes back NaN (residuals untouched), so step 2's
+        # agreement skips the update; the layout lets PowerSGD see each bucket's matrices
+        compressed = CompressedAllreduce(build_compressor(compression), self.comm, nonfinite="skip")
+        return lambda buf: compressed.allreduce_async(buf, op="sum", layout=self.layout)
 
     # ------------------------------------------------------------------ plain arrays
     @classmethod
