@@ -109,20 +109,23 @@ def _allreduce(comm, layout, x, steps: int) -> dict:
     return rows
 
 
-def _tta(comm, config_path: str, out: str) -> dict:
+def _tta(comm, config_path: str, out: str, overrides: dict) -> dict:
     """Train the job once per compressor (and once uncompressed): accuracy and seconds."""
     try:
         from mpidist.engine.config import load_config
         from mpidist.engine.loop import run
     except ImportError as exc:
         return {"missing": f"mpidist.engine is not usable here ({exc})"}
-    rows = {}
+    try:
+        rows = {"powersgd plan": _job_plan(comm, config_path, overrides)}
+    except Exception as exc:    # the engine's or data's error, agreed on every rank by them
+        rows = {"powersgd plan": f"unavailable ({type(exc).__name__}: {exc})"[:200]}
     # the job config names a compressor only: each with its default options
     for name in ["none"] + list(dict.fromkeys(nm for _, nm, _ in CONFIGS)):
         label = "uncompressed" if name == "none" else name
         job_out = os.path.join(out, "tta", name)
         try:
-            cfg = load_config(config_path, comm, {"parallel.compression": name,
+            cfg = load_config(config_path, comm, {**overrides, "parallel.compression": name,
                                                   "job.out_dir": job_out, "job.progress": False,
                                                   "job.plot": False})
             summary = run(cfg, comm)
@@ -134,6 +137,21 @@ def _tta(comm, config_path: str, out: str) -> dict:
         except Exception as exc:      # the engine's error, agreed on every rank by it
             rows[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
     return rows
+
+
+def _job_plan(comm, config_path: str, overrides: dict) -> str:
+    """PowerSGD (rank 4)'s plan on the job's own layers: what it compresses, floats sent."""
+    from mpidist.compress import PowerSGD
+    from mpidist.data.loader import build_datasets
+    from mpidist.engine.config import load_config
+    from mpidist.engine.strategy import build_model_from_config
+    from mpidist.flat import Layout
+    cfg = load_config(config_path, comm, overrides)
+    train, test, meta = build_datasets(cfg, comm)
+    train.close()
+    test.close()
+    layout = Layout(build_model_from_config(cfg, meta).param_shapes())
+    return PowerSGD(rank=4).plan_for(layout, layout.numel).describe()
 
 
 def _time_to(path: str, target, comm):
@@ -180,6 +198,9 @@ def _table(report: dict) -> str:
         for label, r in tta.items():
             if label == "missing":
                 continue
+            if label == "powersgd plan":
+                lines.append(f"  PowerSGD rank 4 on the job's layers: {r}")
+                continue
             if "error" in r:
                 lines.append(f"  {label:<22}failed: {r['error']}")
             else:
@@ -214,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="kernel timings (best of)")
     parser.add_argument("--tta", metavar="CONFIG", default=None,
                         help="also train this job config once per compressor")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a job config value for --tta (as mpidist train --set)")
     parser.add_argument("--out", default=os.path.join("results", "bench", "compress"))
     args = parser.parse_args(argv)
     if args.numel < 64 or args.steps < 1 or args.reps < 1:
@@ -235,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     # 3. time-to-accuracy through the engine
     if args.tta:
         report["tta_config"] = args.tta
-        report["tta"] = _tta(comm, args.tta, args.out)
+        from mpidist.engine.train import _parse_override
+        report["tta"] = _tta(comm, args.tta, args.out, dict(_parse_override(t) for t in args.set))
     if comm.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "compress.json"), "w") as fh:
