@@ -166,7 +166,19 @@ def bucket_key(buf) -> tuple[int, int]:
     while getattr(base, "base", None) is not None and hasattr(base.base, "dtype"):
         base = base.base
     offset = (_address(buf) - _address(base)) // buf.dtype.itemsize if base is not buf else 0
-    return int(offset), int(buf.shape[0]) if getattr(buf, "ndim", 0) == 1 else -1
+    return int(offset), int(buf.shape[0])
+
+
+def _bucket_layout(layout, buf):
+    """(the layout of the segments bucket buf covers, None), or (None, ValueError) when it
+    cuts a segment."""
+    lo, n = bucket_key(buf)
+    parts = layout.clip(lo, lo + n)
+    if not parts or any(start != layout.segments[i].offset or stop != layout.segments[i].stop
+                         for i, start, stop in parts):
+        return None, ValueError(f"bucket [{lo}, {lo + n}) does not cover whole segments of "
+                                f"the layout; pass the bucket's own layout")
+    return layout.subset(layout.segments[i].name for i, _, _ in parts), None
 
 
 class CompressedAllreduce:
@@ -236,11 +248,13 @@ class CompressedAllreduce:
         return state
 
     # ---------------------------------------------------------------- agreement
-    def _agree(self, grad, layout) -> bool:
-        """Collective: raise on every rank for any rank's bad input or a mismatch; return
-        whether any rank's gradient holds inf/NaN."""
-        err, sig, bad = None, None, False
+    def _agree(self, grad, layout, err=None) -> bool:
+        """Collective: raise on every rank for any rank's bad input (err: one found before)
+        or a mismatch; return whether any rank's gradient holds inf/NaN."""
+        sig, bad = None, False
         try:
+            if err is not None:
+                raise err
             if not hasattr(grad, "ndim") or grad.ndim != 1:
                 raise ValueError(f"the gradient must be a 1-D flat array, got "
                                  f"{getattr(grad, 'shape', type(grad).__name__)}")
@@ -292,19 +306,13 @@ class CompressedAllreduce:
         """
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed allreduce supports op 'sum' or 'avg', got {op!r}")
+        err = None
         if layout is not None and getattr(buf, "ndim", 0) == 1 and layout.numel != buf.shape[0]:
-            lo, n = bucket_key(buf)
-            parts = layout.clip(lo, lo + n)
-            if not parts or parts[0][1] != lo or any(start != layout.segments[i].offset or
-                                                     stop != layout.segments[i].stop
-                                                     for i, start, stop in parts):
-                raise ValueError(f"bucket [{lo}, {lo + n}) does not cover whole segments of "
-                                 f"the layout; pass the bucket's own layout")
-            layout = layout.subset(layout.segments[i].name for i, _, _ in parts)
-        return Handle(self._reduce(buf, layout, op))
+            layout, err = _bucket_layout(layout, buf)
+        return Handle(self._reduce(buf, layout, op, err))
 
-    def _reduce(self, grad, layout, op):
-        skip = self._agree(grad, layout)
+    def _reduce(self, grad, layout, op, err=None):
+        skip = self._agree(grad, layout, err)
         xp = get_array_module(grad)
         ring = _Ring(self.comm)
         self.last_skipped = skip
