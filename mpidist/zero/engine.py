@@ -63,7 +63,8 @@ class ZeroEngine:
     make_optimizer(layout, offset, count, param_dtype) -> an mpidist optimizer over that range;
     dtype: parameter and gradient dtype (fp16/bf16: the optimizer keeps fp32 masters);
     seed: initial parameters, identical to model.init_params(np.random.default_rng(seed));
-    bucket_mb: gradient bucket size (stages 2, 3); max_in_flight: buckets/layers in flight.
+    bucket_mb: gradient bucket size (stages 2, 3; 0 = one bucket, reduced after backward);
+    max_in_flight: gradient buckets in flight before the oldest is waited for.
     Construction is collective over comm.
     """
     stage = 0
@@ -88,7 +89,8 @@ class ZeroEngine:
         self.comm.raise_if_any(error)
         self.comm.check_same([(s.name, s.shape) for s in self.layout], "model parameter layout")
         self.model, self.xp = model, xp
-        self.bucket_elems = max(1, int(bucket_mb * (1 << 20)) // self.dtype.itemsize)
+        self.bucket_elems = (self.layout.numel if bucket_mb == 0 else
+                             max(1, int(bucket_mb * (1 << 20)) // self.dtype.itemsize))
         self.max_in_flight = max_in_flight
         self.shards = ShardMap(self.comm, self.layout.numel)
         self.offset, self.count = self.shards.offset, self.shards.count

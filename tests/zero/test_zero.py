@@ -154,7 +154,7 @@ def test_stage2_never_holds_the_whole_gradient(comm):
     xs, ys = batches(steps=2)
     for stage in (2, 3):
         eng, _, _ = train_zero(stage, MLP(7, 3, hidden=(16,) * 16), "adamw", np.float32, comm,
-                               xs, ys, bucket_mb=0, max_in_flight=1)
+                               xs, ys, bucket_mb=1e-9, max_in_flight=1)
         rep = eng.memory_report()
         largest = max(u.numel for u in eng.units)
         bound = (2 * largest * (1 + comm.size) + (2 * largest if stage == 3 else 0)) * 4

@@ -1,0 +1,78 @@
+"""`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, bucket_mb.
+
+Every rank is a data-parallel replica reading its rows of the global batch (as with "dp");
+the model states are partitioned over the ranks as the stage says. The loss and gradients
+are normalised exactly as the data-parallel strategy does them, so a ZeRO run follows the
+data-parallel run of the same config step for step. Each rank's memory report is printed at
+start (rank 0 prints every rank's) and returned in every step's metrics (mem_* keys).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from mpidist.engine.strategy import StateDict, Strategy, build_model_from_config, lr_schedule
+from mpidist.errors import ConfigError
+from mpidist.zero import build_zero, check_stage
+
+__all__ = ["ZeroStrategy"]
+
+log = logging.getLogger("mpidist")
+
+
+class ZeroStrategy(Strategy):
+    """ZeRO stage 1, 2 or 3 over the whole communicator (one data-parallel group)."""
+    name = "zero"
+
+    def __init__(self, config: dict, comm, meta: dict):
+        super().__init__(config, comm, meta)
+        p, o = config["parallel"], config["optim"]
+        try:
+            stage = check_stage(p["stage"])
+        except ValueError as exc:
+            raise ConfigError(f"[parallel] {exc}") from None
+        for key, plain in (("compression", "none"), ("accumulation", 1)):
+            if p[key] != plain:
+                raise ConfigError(f"[parallel] {key} = {p[key]!r} is not supported with "
+                                  f"strategy = 'zero'; remove it or use strategy = 'dp'")
+        from mpidist.optim import build_optimizer
+
+        def make_optimizer(layout, offset, count, dtype):
+            return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"],
+                                   offset=offset, count=count, param_dtype=dtype)
+
+        self.engine = build_zero(stage, build_model_from_config(config, meta), make_optimizer,
+                                 comm=comm, dtype=np.float32, seed=config["job"]["seed"],
+                                 bucket_mb=p["bucket_mb"])
+        self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1
+        reports = comm.comm.gather(self.engine.memory_report().format(), root=0)
+        if comm.rank == 0:
+            for line in reports:
+                log.info("memory at start: %s", line)
+
+    def train_step(self, x, y, global_count: int | None = None) -> dict:
+        if global_count is not None:
+            global_count *= self.tokens
+        m = self.engine.train_step(x, y, global_count)
+        self.step = self.engine.step
+        m["lr"] = self.engine.info.lr
+        m.update(self.engine.memory_report().as_metrics())
+        return m
+
+    def evaluate(self, x, y) -> dict:
+        return self.engine.evaluate(x, y)
+
+    def state_dict(self) -> StateDict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, source) -> None:
+        self.engine.load_state_dict(source)
+        self.step = self.engine.step
+
+    def memory_report(self) -> dict:
+        rep = self.engine.memory_report()
+        out = {k: getattr(rep, k) for k in ("params", "grads", "optim", "workspace",
+                                             "in_flight", "peak_in_flight")}
+        out["total"] = rep.model_states + rep.workspace + rep.in_flight
+        return out
