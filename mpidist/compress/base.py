@@ -144,6 +144,8 @@ class Compressor:
                                  f"{self.residual.shape[0]} to {x.shape[0]}; one compressor "
                                  f"serves one flat buffer (make one per buffer)")
             self.residual = xp.zeros_like(x)
+        elif get_array_module(self.residual) is not xp:
+            self.residual = xp.asarray(self.residual)      # loaded from a host checkpoint
         return x + self.residual
 
     def _end(self, x, payload, ctx) -> None:
@@ -165,11 +167,8 @@ class Compressor:
                              f"{self.config()}; build the compressor with the same options")
         self.step = int(sd["step"])
         res = sd["residual"]
-        if res is None:
-            self.residual = None
-        else:
-            xp = get_array_module(self.residual) if self.residual is not None else np
-            self.residual = xp.asarray(np.asarray(res, dtype=np.float32)).copy()
+        # a host copy; the next compress moves it to the gradient's device
+        self.residual = None if res is None else np.array(res, dtype=np.float32)
         self._load_extra_state(sd)
 
     def _extra_state(self) -> dict:
