@@ -99,6 +99,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "compression": _f(str, "none", "gradient compressor in mpidist.compress's registry, or none"),
         "accumulation": _f(int, 1, "micro-steps accumulated per optimizer step", **_pos),
         "stage": _f(int, 1, "zero: ZeRO stage", choices=(1, 2, 3)),
+        "dtype": _f(str, "float32", "zero: parameter and gradient dtype (fp32 masters in the optimizer)",
+                    choices=("float32", "bfloat16", "float16")),
         "stages": _f(int, 2, "pipeline: pipeline stages (divides the world size)", **_pos),
         "microbatches": _f(int, 4, "pipeline: micro-batches per step", **_pos),
         "schedule": _f(str, "1f1b", "pipeline: schedule name in mpidist.pipeline.schedules"),
@@ -126,7 +128,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
 
 # [parallel] keys that only mean something for one strategy: set elsewhere -> an error.
 STRATEGY_KEYS = {
-    "zero": ("stage",),
+    "zero": ("stage", "dtype"),
     "pipeline": ("stages", "microbatches", "schedule", "recompute", "virtual", "partition", "cuts",
                  "zero"),
     "ps": ("consistency", "servers", "staleness", "straggler"),
