@@ -191,9 +191,10 @@ def _report(rows, args, torch_note, torch_rates) -> str:
     for r in rows:
         speed = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
         ddp = torch_rates.get(r["ranks"])
+        hidden = f"{r['hidden_fraction'] * 100:.0f}%" if r["ranks"] > 1 else "-"   # nothing to hide on 1 rank
         lines.append(f"{r['ranks']:>5} {r['t_compute'] * 1e3:>10.1f} {r['t_comm'] * 1e3:>8.1f} "
                      f"{r['step'] * 1e3:>8.1f} {r['step_noov'] * 1e3:>13.1f} {r['samples_per_s']:>10.0f} "
-                     f"{speed:>8} {r['hidden_fraction'] * 100:>6.0f}% "
+                     f"{speed:>8} {hidden:>7} "
                      f"{(f'{ddp:.0f}' if ddp else '-'):>13}")
     lines.append(torch_note)
     return "\n".join(lines)

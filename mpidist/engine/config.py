@@ -47,7 +47,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "seed": _f(int, 0, "seed of model init, data order and dropout", **_nonneg),
         "epochs": _f(int, 1, "passes over the training set (ignored when steps > 0)", **_nonneg),
         "steps": _f(int, 0, "optimizer steps to run; 0 = run `epochs` epochs", **_nonneg),
-        "out_dir": _f(str, None, "where metrics, plots and checkpoints go (default results/<name>)"),
+        "out_dir": _f(str, None, "where metrics, plots and checkpoints go (default runs/<name>)"),
         "eval_every": _f(int, 0, "evaluate every N steps; 0 = at the end of each epoch", **_nonneg),
         "progress": _f(bool, True, "tqdm progress bar on rank 0"),
         "plot": _f(bool, True, "write a PNG plot of the run at the end"),
@@ -68,7 +68,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "dataset": _f(str, "digits", "digits (scikit-learn, no download) | synthetic | text | hdf5",
                       choices=("digits", "synthetic", "text", "hdf5")),
         "path": _f(str, None, "hdf5: the dataset file; text: the text file (default data/sample.txt)"),
-        "cache_dir": _f(str, "results/data", "where generated HDF5 datasets are written"),
+        "cache_dir": _f(str, "runs/data", "where generated HDF5 datasets are written"),
         "batch_size": _f(int, 64, "GLOBAL batch size (split over data-parallel ranks)", **_pos),
         "drop_last": _f(bool, True, "drop the last partial batch of an epoch (else: a short batch)"),
         "shuffle": _f(bool, True, "reshuffle every epoch from the seed (same global order at any world size)"),
@@ -120,7 +120,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
     },
     "checkpoint": {
         "interval": _f(int, 0, "save every N steps; 0 = only at the end if dir is set", **_nonneg),
-        "dir": _f(str, None, "checkpoint directory (default <out_dir>/checkpoints when interval > 0)"),
+        "dir": _f(str, None, "checkpoint directory (default <out_dir>/checkpoints when interval > 0 or resume)"),
         "keep": _f(int, 2, "checkpoints kept", **_pos),
         "resume": _f(bool, False, "resume from the latest checkpoint in dir"),
     },
@@ -226,8 +226,8 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
     if errors:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
     cfg["job"]["name"] = cfg["job"]["name"] or name
-    cfg["job"]["out_dir"] = cfg["job"]["out_dir"] or os.path.join("results", cfg["job"]["name"])
-    if cfg["checkpoint"]["interval"] > 0 and not cfg["checkpoint"]["dir"]:
+    cfg["job"]["out_dir"] = cfg["job"]["out_dir"] or os.path.join("runs", cfg["job"]["name"])
+    if (cfg["checkpoint"]["interval"] > 0 or cfg["checkpoint"]["resume"]) and not cfg["checkpoint"]["dir"]:
         cfg["checkpoint"]["dir"] = os.path.join(cfg["job"]["out_dir"], "checkpoints")
     if ds == "text" and not cfg["data"]["path"]:
         cfg["data"]["path"] = default_text_path()

@@ -227,7 +227,9 @@ class DistributedOptimizer:
             self.grads.data *= 1.0 / (self.comm.size * self.accumulation)
 
         # 2. NaN/Inf agreed across ranks, with the caller's stats in the same message
-        bad = 0.0 if bool(xp.isfinite(self.grads.data).all()) else 1.0
+        # one pass: a NaN/Inf anywhere makes the sum non-finite (a finite buffer whose float32
+        # sum overflows is also skipped: such a step would be useless anyway)
+        bad = 0.0 if bool(xp.isfinite(self.grads.data.sum())) else 1.0
         vec = np.concatenate([[bad], np.asarray(stats if stats is not None else [], dtype=np.float64)])
         self.comm.comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.SUM)
         self.t_wait += time.perf_counter() - t0

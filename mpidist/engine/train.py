@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", help="the job's TOML file (see jobs/)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value (repeatable), e.g. --set job.epochs=3")
+    parser.add_argument("--out", metavar="DIR", help="output directory (same as --set job.out_dir=DIR)")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the latest checkpoint (same as --set checkpoint.resume=true)")
     parser.add_argument("--show-schema", action="store_true", help="print every section and key, then exit")
     args = parser.parse_args(argv)
     from mpidist.engine.config import format_schema, load_config
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("mpidist train: %s", exc)
         return 2
+    if args.out:
+        overrides["job.out_dir"] = args.out
+    if args.resume:
+        overrides["checkpoint.resume"] = True
     try:
         config = load_config(args.config, comm, overrides)
         summary = run(config, comm)

@@ -21,7 +21,7 @@ def _errors(raw, **kw):
 def test_defaults_fill_every_key():
     cfg = validate({}, name="x")
     assert set(cfg) == set(SCHEMA) and all(set(cfg[s]) == set(SCHEMA[s]) for s in SCHEMA)
-    assert cfg["job"]["name"] == "x" and cfg["job"]["out_dir"] == os.path.join("results", "x")
+    assert cfg["job"]["name"] == "x" and cfg["job"]["out_dir"] == os.path.join("runs", "x")
     assert isinstance(validate({"optim": {"lr": 1}})["optim"]["lr"], float)
 
 
