@@ -1,4 +1,8 @@
-"""`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, bucket_mb.
+"""`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, dtype, bucket_mb.
+
+dtype = "bfloat16" or "float16" keeps parameters and gradients in two bytes with fp32
+master weights in the optimizer (mixed precision); inputs stay fp32, so NumPy multiplies
+the half-precision weights in fp32.
 
 Every rank is a data-parallel replica reading its rows of the global batch (as with "dp");
 the model states are partitioned over the ranks as the stage says. The loss and gradients
@@ -9,8 +13,6 @@ start (rank 0 prints every rank's) and returned in every step's metrics (mem_* k
 from __future__ import annotations
 
 import logging
-
-import numpy as np
 
 from mpidist.engine.strategy import StateDict, Strategy, build_model_from_config, lr_schedule
 from mpidist.errors import ConfigError
@@ -43,7 +45,7 @@ class ZeroStrategy(Strategy):
                                    offset=offset, count=count, param_dtype=dtype)
 
         self.engine = build_zero(stage, build_model_from_config(config, meta), make_optimizer,
-                                 comm=comm, dtype=np.float32, seed=config["job"]["seed"],
+                                 comm=comm, dtype=p["dtype"], seed=config["job"]["seed"],
                                  bucket_mb=p["bucket_mb"])
         self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1
         reports = comm.comm.gather(self.engine.memory_report().format(), root=0)

@@ -62,6 +62,22 @@ def test_zero_strategy_follows_the_data_parallel_strategy(comm, stage):
     assert rep["optim"] == 2 * 4 * shard                         # LAMB: two fp32 moments
 
 
+def test_mixed_precision_from_the_config(comm):
+    """dtype = "bfloat16": 2-byte params and grads, fp32 masters; stages agree to the bit."""
+    results = []
+    for stage in (1, 3):
+        zero = build_strategy(config("zero", stage=stage, dtype="bfloat16"), comm, META)
+        losses, m, _, state = run(zero, comm)
+        results.append((losses, state))
+        shard = zero.engine.count
+        assert m["mem_params"] == 2 * (shard if stage == 3 else zero.engine.layout.numel)
+        assert m["mem_optim"] == 12 * shard                      # master + two moments
+        assert state.tensors["params/fc1.weight"].dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for key, want in results[0][1].tensors.items():
+        assert np.array_equal(results[1][1].tensors[key], want), key
+
+
 def test_zero_strategy_checks_its_keys(comm):
     with pytest.raises(ConfigError, match="compression"):
         build_strategy(config("zero", stage=2, compression="topk"), comm, META)
