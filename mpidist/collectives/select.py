@@ -1,11 +1,86 @@
-"""Choosing an algorithm for algorithm="auto"."""
+"""algorithm="auto": the cheapest algorithm by the cost model, and `explain`, which prints
+the model's prediction beside a measurement for every algorithm.
+
+    python -m mpidist.launcher -n 4 -- mpidist explain --sizes 4K,64K,1M,64M
+    mpiexec -n 4 mpidist explain --refit
+"""
 from __future__ import annotations
 
-__all__ = ["choose"]
+import argparse
+
+from mpidist.collectives import costmodel
+from mpidist.comm import Communicator, as_communicator, mpi_library
+
+__all__ = ["choose", "explain", "main", "parse_size"]
 
 
 def choose(comm, nbytes: int) -> str:
-    """The algorithm for an allreduce of nbytes on comm (the same on every rank)."""
-    if comm.size == 1 or nbytes < (64 << 10):
-        return "native"
-    return "ring"
+    """The algorithm "auto" runs for nbytes on comm; the same on every rank.
+    Collective the first time a communicator asks (the model is loaded or probed)."""
+    return costmodel.get_model(comm).choose(nbytes)
+
+
+def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:
+    """Collective: for every size and algorithm, predicted and measured seconds, and which
+    one auto picks. Rows: {"nbytes", "algorithm", "predicted", "measured", "chosen"}."""
+    c = as_communicator(comm)
+    model = costmodel.get_model(c, refit=refit)
+    rows = []
+    for nbytes in sizes:
+        pick = model.choose(nbytes)
+        for alg in model.candidates() if c.size > 1 else ["native"]:
+            rows.append({"nbytes": int(nbytes), "algorithm": alg,
+                         "predicted": model.predict(alg, nbytes),
+                         "measured": costmodel.measure(c, alg, nbytes, reps),
+                         "chosen": alg == pick})
+    return rows
+
+
+def parse_size(text: str) -> int:
+    """'64K' -> 65536, '1M', '2G', '512' (bytes)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512, 64K, 1M)") from None
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mpidist explain`: the cost model's choice per size, predicted vs measured."""
+    ap = argparse.ArgumentParser(prog="mpidist explain", description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="4K,64K,1M,16M",
+                    type=lambda s: [parse_size(x) for x in s.split(",") if x],
+                    help="message sizes in bytes, comma separated (default 4K,64K,1M,16M)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
+    ap.add_argument("--refit", action="store_true", help="probe again, ignoring the cache")
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="simulate nodes of this many ranks (default: real topology)")
+    args = ap.parse_args(argv)
+    c = Communicator(ranks_per_node=args.ranks_per_node)
+    rows = explain(args.sizes, c, reps=args.reps, refit=args.refit)
+    path = costmodel.cache_path(c)                       # collective
+    if c.rank == 0:
+        model = costmodel.get_model(c)
+        print(f"# {mpi_library()}; {c.describe()}")
+        print(f"# cost model: {path}")
+        for name, lv in model.levels.items():
+            fits = ", ".join(f"{a} a={v[0] * 1e6:.1f}us b={v[1] * 1e9:.3f}ns/B"
+                             for a, v in lv["fits"].items())
+            print(f"# level {name}: p={lv['p']} gamma={lv['gamma'] * 1e9:.3f}ns/B; {fits}")
+        print(f"{'size':>8} {'algorithm':>19} {'predicted ms':>13} {'measured ms':>12} "
+              f"{'error':>7}  auto")
+        for r in rows:
+            err = (r["predicted"] - r["measured"]) / r["measured"] if r["measured"] else 0.0
+            print(f"{format_size(r['nbytes']):>8} {r['algorithm']:>19} "
+                  f"{r['predicted'] * 1e3:13.3f} {r['measured'] * 1e3:12.3f} {err:+7.0%}  "
+                  f"{'<-' if r['chosen'] else ''}")
+    c.free()
+    return 0

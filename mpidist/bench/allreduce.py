@@ -1,0 +1,206 @@
+"""`mpidist bench allreduce`: a size sweep of every allreduce algorithm beside the MPI
+library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
+
+    python -m mpidist.launcher -n 4 -- mpidist bench allreduce
+    python -m mpidist.launcher -n 4 -- mpidist bench allreduce --sizes 8,4K,1M,64M --reps 5
+    MPIDIST_RANKS_PER_NODE=2 python -m mpidist.launcher -n 4 -- mpidist bench allreduce
+
+For each size (bytes of float32) and algorithm: time of one allreduce (median over the
+repetitions of the slowest rank's time, after a warm-up), algbw = size / time and
+busbw = algbw * 2 (p-1) / p, the bandwidth each link actually carries, comparable across
+rank counts. "auto" is the cost model's choice (shown in brackets); "textbook" is the
+20-line blocking Sendrecv ring, the reference point of the issue. Every call goes through
+the public allreduce() and its result is checked.
+Writes allreduce.csv, allreduce.json and allreduce.png under --out (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["main", "textbook_ring"]
+
+DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
+
+
+def textbook_ring(comm, x) -> None:
+    """The textbook ring: blocking Sendrecv, reduce-scatter then allgather, in place."""
+    mpi, p, r = comm.comm, comm.size, comm.rank
+    counts = [len(x) // p + (i < len(x) % p) for i in range(p)]
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    part = [x[starts[i]:starts[i + 1]] for i in range(p)]
+    tmp = np.empty(max(counts), x.dtype)
+    right, left = (r + 1) % p, (r - 1) % p
+    for t in range(p - 1):
+        s, q = (r - t) % p, (r - t - 1) % p
+        mpi.Sendrecv(part[s], right, 0, tmp[:counts[q]], left, 0)
+        np.add(part[q], tmp[:counts[q]], out=part[q])
+    for t in range(p - 1):
+        s, q = (r - t + 1) % p, (r - t) % p
+        mpi.Sendrecv(part[s], right, 0, part[q], left, 0)
+
+
+def _parse(argv):
+    from mpidist.collectives import ALGORITHMS
+    from mpidist.collectives.select import parse_size
+    p = argparse.ArgumentParser(prog="mpidist bench allreduce",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"message sizes in bytes (K/M/G suffixes; default {DEFAULT_SIZES})")
+    every = ["native", "textbook", *(a for a in ALGORITHMS if a != "native"), "auto"]
+    p.add_argument("--algorithms", default=",".join(every),
+                   help=f"algorithms to run (default: {','.join(every)})")
+    p.add_argument("--reps", type=int, default=20,
+                   help="timed repetitions per point at most (fewer for large sizes)")
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="time budget per point, which caps the repetitions")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="simulate nodes of this many ranks (default: real topology)")
+    p.add_argument("--out", default=os.path.join("results", "bench", "allreduce"),
+                   help="output directory")
+    args = p.parse_args(argv)
+    try:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    bad = [a for a in args.algorithms if a not in every]
+    if bad:
+        p.error(f"unknown algorithm(s) {bad}; choose from {', '.join(every)}")
+    if args.reps < 1 or any(s < 4 for s in args.sizes):
+        p.error("--reps must be >= 1 and every size >= 4 bytes (one float32)")
+    return args
+
+
+def _time_point(comm, alg: str, x: np.ndarray, reps: int, seconds: float):
+    """(median seconds, repetitions, result ok) for one size and algorithm."""
+    from mpidist.collectives import allreduce
+
+    def once():
+        x[...] = 1.0
+        comm.comm.Barrier()
+        t0 = time.perf_counter()
+        if alg == "textbook":
+            textbook_ring(comm, x)
+        else:
+            allreduce(x, algorithm=alg, comm=comm)
+        return time.perf_counter() - t0
+
+    first = comm.comm.allreduce(once(), op=MPI.MAX)          # warm-up, and the rep count
+    ok = comm.all(bool(x[0] == comm.size and x[-1] == comm.size))
+    n = max(1, min(reps, int(seconds / max(first, 1e-9))))
+    times = np.array([once() for _ in range(n)])
+    comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return float(np.median(times)), n, ok
+
+
+def _plot(rows, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for alg in dict.fromkeys(r["algorithm"] for r in rows):
+        pts = [r for r in rows if r["algorithm"] == alg]
+        style = dict(lw=2.2, color="black") if alg == "native" else \
+            dict(ls="--") if alg in ("auto", "textbook") else {}
+        ax1.plot([r["bytes"] for r in pts], [r["time_us"] for r in pts], marker="o", ms=3,
+                 label=alg, **style)
+        ax2.plot([r["bytes"] for r in pts], [r["busbw_GBps"] for r in pts], marker="o", ms=3,
+                 label=alg, **style)
+    for ax, ylabel in ((ax1, "time per allreduce (us)"), (ax2, "bus bandwidth (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes, float32)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_yscale("log")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpidist.collectives.costmodel import get_model
+    from mpidist.collectives.select import format_size
+    from mpidist.comm import Communicator, mpi_library
+    args = _parse(argv)
+    c = Communicator(ranks_per_node=args.ranks_per_node)
+    p = c.size
+    model = get_model(c) if "auto" in args.algorithms else None
+    library = "".join(ch for ch in mpi_library() if ch.isprintable())
+    header = (f"mpidist bench allreduce: {library}; {c.describe()}; float32; "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if c.rank == 0:
+        print(header)
+        print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'algbw GB/s':>11} "
+              f"{'busbw GB/s':>11} {'vs native':>9} {'reps':>5} {'check':>5}", flush=True)
+    rows = []
+    for nbytes in args.sizes:
+        x = np.ones(nbytes // 4, np.float32)
+        native_bw = None
+        for alg in args.algorithms:
+            t, n, ok = _time_point(c, alg, x, args.reps, args.seconds)
+            algbw = x.nbytes / t / 1e9
+            busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
+            if alg == "native":
+                native_bw = busbw
+            label = f"auto [{model.choose(x.nbytes)}]" if alg == "auto" else alg
+            row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
+                   "algbw_GBps": algbw, "busbw_GBps": busbw, "reps": n, "ok": ok,
+                   "vs_native": busbw / native_bw if native_bw else None}
+            rows.append(row)
+            if c.rank == 0:
+                vs = f"{row['vs_native']:.2f}x" if row["vs_native"] else "-"
+                print(f"{format_size(x.nbytes):>8} {label:>26} {t * 1e6:12.1f} {algbw:11.3f} "
+                      f"{busbw:11.3f} {vs:>9} {n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
+        del x
+    if c.rank == 0:
+        _summary(rows, p)
+        os.makedirs(args.out, exist_ok=True)
+        base = os.path.join(args.out, "allreduce")
+        with open(base + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        with open(base + ".json", "w") as f:
+            json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "rows": rows}, f,
+                      indent=1)
+        _plot(rows, base + ".png", header)
+        print(f"wrote {base}.csv, .json, .png")
+    ok = all(r["ok"] for r in rows)
+    c.free()
+    return 0 if ok else 1
+
+
+def _summary(rows, p: int) -> None:
+    """The issue's targets, read off this run."""
+    by = {(r["bytes"], r["algorithm"]): r for r in rows}
+    sizes = sorted({r["bytes"] for r in rows})
+    own = [a for a in dict.fromkeys(r["algorithm"] for r in rows)
+           if a not in ("native", "textbook", "auto")]
+    print("summary:")
+    for s in sizes:
+        cands = [by[s, a] for a in own + ["native"] if (s, a) in by]
+        if not cands:
+            continue
+        best = min(cands, key=lambda r: r["time_us"])
+        line = f"  {s:>10} B: best {best['algorithm']} {best['busbw_GBps']:.3f} GB/s"
+        if (s, "native") in by:
+            mine = [by[s, a] for a in own if (s, a) in by]
+            if mine:
+                top = min(mine, key=lambda r: r["time_us"])
+                line += (f"; best mpidist {top['algorithm']} "
+                         f"{by[s, 'native']['time_us'] / top['time_us']:.2f}x native busbw")
+        if (s, "auto") in by:
+            line += f"; auto {by[s, 'auto']['time_us'] / best['time_us']:.2f}x best time"
+        if (s, "textbook") in by and own:
+            top = min((by[s, a] for a in own if (s, a) in by), key=lambda r: r["time_us"])
+            line += f"; vs textbook {by[s, 'textbook']['time_us'] / top['time_us']:.2f}x"
+        print(line)

@@ -1,0 +1,253 @@
+"""The alpha-beta-gamma cost model behind algorithm="auto".
+
+T(algorithm, n bytes, p ranks) = a(p) alpha + b(p) n beta + g(p) n gamma, where a, b, g count
+the algorithm's message steps, bytes moved and bytes reduced per rank (written next to
+each algorithm in its module), alpha is the cost of a message step, beta of a byte moved
+and gamma of a byte reduced.
+
+Fitted per link level by a short probe: "world" is the communicator itself, "intra" its
+node communicator and "inter" the communicator across nodes. gamma is timed directly
+(an in-place ufunc over a buffer larger than the caches). alpha and beta are fitted per
+algorithm by least squares over a few message sizes (relative error), because the MPI
+library's C collectives and mpidist's Python-driven segmented steps pay very different
+fixed costs per step. The native MPI_Allreduce, whose internal algorithm is the library's
+choice, is modelled as one step moving n. The hierarchical algorithm is predicted by
+composing the ring's intra-node and inter-node fits.
+
+Every timing is the maximum over ranks, and rank 0 broadcasts the fitted model, so every
+rank holds the same numbers and "auto" picks the same algorithm everywhere. Models are
+cached as JSON under ~/.cache/mpidist/ (env MPIDIST_CACHE_DIR), keyed by the hosts, the
+rank layout, the MPI library and the segment size; delete the file (or pass refit) to probe again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import socket
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+import mpidist
+from mpidist.collectives.ops import get_op
+from mpidist.collectives.registry import ALGORITHMS
+from mpidist.collectives.ring import segment_bytes
+
+__all__ = ["CostModel", "coefficients", "measure", "get_model", "PROBE_SIZES", "cache_path"]
+
+PROBE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "native")
+
+
+def _log2(p: int) -> int:
+    return max(0, math.ceil(math.log2(p))) if p > 1 else 0
+
+
+def coefficients(algorithm: str, p: int) -> tuple[float, float, float]:
+    """(a, b, g): message steps, bytes moved per byte of input, bytes reduced per byte."""
+    if p == 1:
+        return 0.0, 0.0, 0.0
+    lg = _log2(p)
+    p2 = 1 << (p.bit_length() - 1)
+    lg2, fold = p2.bit_length() - 1, float(p != p2)
+    if algorithm in ("ring", "hierarchical"):
+        return 2 * (p - 1), 2 * (p - 1) / p, (p - 1) / p
+    if algorithm == "tree":
+        return 2 * lg, 2 * lg, lg
+    if algorithm == "dbtree":
+        return 2 * lg, 2.0, 1.0
+    if algorithm == "recursive_doubling":
+        return lg2 + 2 * fold, lg2 + 2 * fold, lg2 + fold
+    if algorithm == "rabenseifner":
+        return 2 * lg2 + 2 * fold, 2 * (p2 - 1) / p2 + 2 * fold, (p2 - 1) / p2 + fold
+    if algorithm == "native":
+        return 1.0, 1.0, 0.0
+    raise ValueError(f"no cost formula for algorithm {algorithm!r}")
+
+
+def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) -> float:
+    """Best over reps of the slowest rank's time for one allreduce of nbytes (seconds).
+
+    The best, not the mean: on a shared machine the other load only ever adds time.
+    """
+    fn = ALGORITHMS[algorithm]
+    x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
+    op = get_op("sum")
+    fn(comm, x, x, op)                                   # warm-up: scratch, connections
+    times = np.empty(reps)
+    for i in range(reps):
+        comm.comm.Barrier()
+        t0 = time.perf_counter()
+        fn(comm, x, x, op)
+        times[i] = time.perf_counter() - t0
+    comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return float(times.min())
+
+
+def _reps(nbytes: int) -> int:
+    """Probe repetitions: more where a run is cheap and noisy."""
+    return 7 if nbytes <= (64 << 10) else 3 if nbytes <= (1 << 20) else 2
+
+
+def _time_gamma(comm) -> float:
+    """Seconds per byte of an in-place float32 add over 8 MiB (slowest rank)."""
+    a = np.ones(2 << 20, np.float32)
+    b = np.ones_like(a)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        np.add(a, b, out=a)
+        best = min(best, time.perf_counter() - t0)
+    return comm.comm.allreduce(best / a.nbytes, op=MPI.MAX)
+
+
+def _fit(algorithm: str, p: int, gamma: float, sizes, times) -> tuple[float, float]:
+    """Least-squares (alpha, beta) >= 0 minimising the relative error of the model."""
+    a, b, g = coefficients(algorithm, p)
+    t = np.asarray(times, float)
+    n = np.asarray(sizes, float)
+    rhs = (t - g * n * gamma) / t
+    cols = np.stack([np.full_like(n, a) / t, b * n / t], axis=1)
+    sol = np.linalg.lstsq(cols, rhs, rcond=None)[0]
+    if sol.min() < 0:           # drop the negative term and refit the other alone
+        keep = int(np.argmax(sol))
+        col = cols[:, keep]
+        sol = np.zeros(2)
+        sol[keep] = max(0.0, float(col @ rhs / (col @ col)))
+    return float(sol[0]), float(sol[1])
+
+
+class CostModel:
+    """Fitted levels: {"world"|"intra"|"inter": {"p", "gamma", "fits": {alg: [alpha, beta]},
+    "samples": {alg: [[nbytes, seconds], ...]}}} plus the node shape (nodes, per_node)."""
+
+    def __init__(self, levels: dict, nodes: int, per_node: int):
+        self.levels, self.nodes, self.per_node = levels, nodes, per_node
+
+    def candidates(self) -> list[str]:
+        names = [a for a in FLAT if a in self.levels["world"]["fits"]]
+        if "intra" in self.levels and "inter" in self.levels:
+            names.append("hierarchical")
+        return names
+
+    def _level(self, level: str, algorithm: str, nbytes: float) -> float:
+        lv = self.levels[level]
+        alpha, beta = lv["fits"][algorithm]
+        a, b, g = coefficients(algorithm, lv["p"])
+        return a * alpha + b * nbytes * beta + g * nbytes * lv["gamma"]
+
+    def predict(self, algorithm: str, nbytes: int) -> float:
+        """Predicted seconds for one allreduce of nbytes."""
+        if self.levels["world"]["p"] == 1:
+            return 0.0
+        if algorithm == "hierarchical" and "hierarchical" in self.candidates():
+            intra = self._level("intra", "ring", nbytes)   # reduce-scatter + allgather
+            return intra + self._level("inter", "ring", nbytes / self.per_node)
+        if algorithm == "hierarchical":
+            algorithm = "ring"                             # what it falls back to
+        return self._level("world", algorithm, nbytes)
+
+    def choose(self, nbytes: int) -> str:
+        """The cheapest candidate (ties: the earlier one in candidates())."""
+        if self.levels["world"]["p"] == 1:
+            return "native"
+        return min(self.candidates(), key=lambda a: self.predict(a, nbytes))
+
+    def to_json(self) -> dict:
+        return {"levels": self.levels, "nodes": self.nodes, "per_node": self.per_node}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostModel":
+        return cls(d["levels"], d["nodes"], d["per_node"])
+
+
+def _probe_level(comm, algorithms, sizes, reps: int | None) -> dict:
+    gamma = _time_gamma(comm)
+    fits, samples = {}, {}
+    for alg in algorithms:
+        times = [measure(comm, alg, s, reps or _reps(s)) for s in sizes]
+        samples[alg] = [[s, t] for s, t in zip(sizes, times)]
+        fits[alg] = list(_fit(alg, comm.size, gamma, sizes, times))
+    return {"p": comm.size, "gamma": gamma, "fits": fits, "samples": samples}
+
+
+def probe(comm, sizes=PROBE_SIZES, reps: int | None = None) -> CostModel:
+    """Collective: time every algorithm on comm (and the ring per link level) and fit."""
+    levels = {"world": {"p": 1, "gamma": 0.0, "fits": {}, "samples": {}}}
+    if comm.size > 1:
+        levels["world"] = _probe_level(comm, FLAT, sizes, reps)
+    hier = comm.uniform_nodes and comm.num_nodes > 1 and comm.local_size > 1
+    if hier:
+        intra = _probe_level(comm.node_comm, ["ring"], sizes, reps)
+        inter = _probe_level(comm.inter_comm, ["ring"], sizes, reps)
+        # every rank of a level measured the same thing; take rank 0's node and local index
+        levels["intra"] = comm.comm.bcast(intra, root=0)
+        levels["inter"] = comm.comm.bcast(inter, root=0)
+    return CostModel(levels, comm.num_nodes, comm.local_size if hier else 1)
+
+
+def cache_path(comm) -> str:
+    """The JSON file for comm's layout on these hosts with this MPI library."""
+    hosts = sorted(set(comm.comm.allgather(socket.gethostname())))
+    ident = json.dumps([hosts, comm.size, getattr(comm, "node_sizes", [comm.size]),
+                        MPI.Get_library_version().strip().splitlines()[0], mpidist.__version__,
+                        segment_bytes(), PROBE_SIZES])
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    root = os.environ.get("MPIDIST_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "mpidist")
+    return os.path.join(root, f"costmodel-{key}.json")
+
+
+_models: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_by_path: dict[str, CostModel] = {}
+_lock = threading.Lock()
+
+
+def get_model(comm, refit: bool = False) -> CostModel:
+    """Collective on first use per communicator: the cached model, loaded or probed."""
+    with _lock:
+        model = None if refit else _models.get(comm)
+    if model is not None:
+        return model
+    path = cache_path(comm)
+    data = None
+    if comm.rank == 0 and not refit:
+        data = _by_path[path].to_json() if path in _by_path else _read(path)
+    data = comm.comm.bcast(data, root=0)
+    if data is None:
+        data = comm.comm.bcast(probe(comm).to_json(), root=0)
+        if comm.rank == 0:
+            _write(path, data)
+    model = CostModel.from_json(data)
+    with _lock:
+        _models[comm] = model
+        _by_path[path] = model
+    return model
+
+
+def _read(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: str, data: dict) -> None:
+    """Atomic: a temporary file renamed into place (a failure only costs a later re-probe)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not cache the allreduce cost model at {path}: {exc}; "
+                      f"it will be probed again next time", RuntimeWarning, stacklevel=3)
