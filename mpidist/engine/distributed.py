@@ -87,6 +87,7 @@ class DistributedOptimizer:
         self.comm.check_same((self.layout.numel, str(params.dtype), algorithm, op, self.accumulation,
                               float(bucket_mb), compression), "DistributedOptimizer settings (numel, dtype, "
                              "algorithm, op, accumulation, bucket_mb, compression)")
+        self.compressed = None          # the CompressedAllreduce, when compression is on
         self.allreduce_async = self._make_allreduce(compression)
         self.buckets = make_buckets(self.layout, params.dtype.itemsize, bucket_mb)
         bucket_of = np.empty(len(self.layout), dtype=np.int64)
@@ -112,8 +113,8 @@ class DistributedOptimizer:
 
         # nonfinite="skip": a NaN/Inf bucket comes back NaN (residuals untouched), so step 2's
         # agreement skips the update; the layout lets PowerSGD see each bucket's matrices
-        compressed = CompressedAllreduce(build_compressor(compression), self.comm, nonfinite="skip")
-        return lambda buf: compressed.allreduce_async(buf, op="sum", layout=self.layout)
+        self.compressed = CompressedAllreduce(build_compressor(compression), self.comm, nonfinite="skip")
+        return lambda buf: self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
 
     # ------------------------------------------------------------------ plain arrays
     @classmethod

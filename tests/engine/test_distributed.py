@@ -175,3 +175,12 @@ def test_state_dict_round_trip_at_any_world_size(comm):
         assert np.array_equal(fresh.optimizer.state_buffers()[k], v)
     mem = strategy.memory_report()
     assert mem["params"] == strategy.params.data.nbytes and mem["total"] >= mem["params"] + mem["grads"]
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk"])
+def test_compressed_data_parallel_trains_and_ranks_agree(comm, compression):
+    losses, strategy = _train(comm, _config("sgd", {"momentum": 0.9}, lr=0.05, compression=compression,
+                                            bucket_mb=0.0001), steps=8)
+    assert strategy.dopt.compressed is not None and strategy.dopt.compressed.step > 0
+    assert np.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean()
+    comm.check_same(strategy.params.data.tobytes(), "parameters after compressed training")
