@@ -254,8 +254,13 @@ class ParameterServer:
             self.windows = Windows(c.comm, is_server=self.is_server, workers=self.num_workers,
                                    count=count, dtype=params.dtype)
             if self.is_server:
+                shard = params[offset:offset + count]
+                if optimizer is not None:
+                    # compile the optimizer's kernels now, on a throwaway instance, so JIT
+                    # time does not stall the first update while the workers already run
+                    optimizer(offset, count).step(shard.copy(), np.zeros_like(shard))
                 opt = (optimizer or SumUpdate)(offset, count)
-                self.server = ShardServer(self.windows, params=params[offset:offset + count].copy(),
+                self.server = ShardServer(self.windows, params=shard.copy(),
                                           optimizer=opt, consistency=model,
                                           workers=self.num_workers, average=average,
                                           timeout=timeout)
@@ -331,14 +336,19 @@ class ParameterServer:
         if self.windows is not None:
             self.windows.free()
 
+    def abort(self) -> None:
+        """Tell every other rank that this one failed: their waits raise at once."""
+        if not self.closed:
+            self.windows.abort(r for r in range(self.comm.size) if r != self.comm.rank)
+
     def __enter__(self) -> "ParameterServer":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Free the windows, then fail on every rank if any rank failed (RemoteError on the
         others); a failing rank first tells the others, so none waits out its timeout."""
-        if exc is not None and not self.closed:
-            self.windows.abort(r for r in range(self.comm.size) if r != self.comm.rank)
+        if exc is not None:
+            self.abort()
         self.close()
         if exc is None or isinstance(exc, Exception):
             self.comm.raise_if_any(exc)

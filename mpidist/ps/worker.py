@@ -83,12 +83,20 @@ class Worker:
     def pull(self, out: np.ndarray | None = None) -> np.ndarray:
         """The current parameters (after any wait the consistency model demands)."""
         self._check_live()
-        if out is None:
-            out = np.empty(self.n, self.dtype)
-        elif not (isinstance(out, np.ndarray) and out.shape == (self.n,) and out.dtype == self.dtype
-                  and out.flags.c_contiguous):
-            raise ValueError(f"out must be a contiguous {self.dtype} array of shape ({self.n},)")
+        out = self._out(out)
         self._wait_for_model()
+        return self._get(out)
+
+    def _out(self, out):
+        if out is None:
+            return np.empty(self.n, self.dtype)
+        if not (isinstance(out, np.ndarray) and out.shape == (self.n,) and out.dtype == self.dtype
+                and out.flags.c_contiguous):
+            raise ValueError(f"out must be a contiguous {self.dtype} array of shape ({self.n},)")
+        return out
+
+    def _get(self, out: np.ndarray) -> np.ndarray:
+        """Read every server's current parameter buffer into out (seqlock retry)."""
         ctrl, data, wins = self.wins.ctrl, self.wins.data, self.wins
         pending = list(range(len(self.servers)))
         backoff = Backoff(self.timeout, "a consistent parameter buffer")
@@ -138,10 +146,42 @@ class Worker:
                 wins.fetch_op(srv, VERSION, 0, MPI.NO_OP, self._vres[i:i + 1], flush=False)
             wins.ctrl.Flush_all()
             return int(self._vres.min()), 0
+        applied, fin = self._read_counts()
+        running = [a[f == 0] for a, f in zip(applied, fin)]   # finished workers push no more
+        return 0, int(min((a.min() for a in running if a.size), default=self.clock))
+
+    def _read_counts(self) -> tuple[list, list]:
+        """Every server's APPLIED and FIN arrays, read atomically."""
+        wins, W = self.wins, self.workers
+        fin = [np.zeros(W, np.int64) for _ in self.servers]
         for i, srv in enumerate(self.servers):
-            wins.read_words(srv, self.layout.applied, self.workers, self._applied[i], flush=False)
+            wins.read_words(srv, self.layout.applied, W, self._applied[i], flush=False)
+            wins.read_words(srv, self.layout.fin, W, fin[i], flush=False)
         wins.ctrl.Flush_all()
-        return 0, int(min(a.min() for a in self._applied))
+        return self._applied, fin
+
+    def global_clock(self) -> int:
+        """Pushes applied on the first server, over all workers, divided by W: the number of
+        data-parallel steps' worth of updates the servers have made so far."""
+        applied = self.wins.read_words(self.servers[0], self.layout.applied, self.workers)
+        return int(applied.sum()) // self.workers
+
+    def pull_final(self, out: np.ndarray | None = None) -> np.ndarray:
+        """After finish(): wait until every worker has finished and every push is applied,
+        then pull the final parameters (identical on every worker)."""
+        if not self._finished:
+            raise RuntimeError("pull_final() comes after finish()")
+        if self.wins.freed:
+            raise RuntimeError("the parameter server's windows are freed; pull_final() only "
+                               "inside its `with` block")
+        backoff = Backoff(self.timeout, "every worker to finish and every push to be applied")
+        while True:
+            applied, fin = self._read_counts()
+            if all((f > 0).all() and np.array_equal(a, f - 1) for a, f in zip(applied, fin)):
+                break
+            check_abort(self.wins)
+            backoff.wait()
+        return self._get(self._out(out))
 
     # ------------------------------------------------------------------ push
     def push(self, grad: np.ndarray) -> None:
