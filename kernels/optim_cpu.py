@@ -5,9 +5,12 @@ The range an optimizer owns is cut into chunks, each inside one segment (tensor)
 layout's segment index. A `prange` over chunks balances the threads, and each chunk reads its
 segment's coefficients (weight decay `seg_wd`, step factor `seg_c`) once.
 
-Storage is float32; arithmetic is float64 per element (so the NumPy reference in
-mpidist.optim.reference gives the same numbers). Each update is one fused pass over memory;
-reductions (finite check, sums of squares) are per chunk, summed per segment by the caller.
+Storage and element-wise arithmetic are float32, as in PyTorch, with the float64
+hyperparameters rounded to float32 once and no fused multiply-add (fastmath=False), so the
+NumPy reference in mpidist.optim.reference gives the same bits. Sums of squares accumulate
+in float64 over LANES interleaved partial sums (vectorised, yet with a fixed order: no
+reassociation). Each update is one fused pass over memory; reductions (finite check, sums of
+squares) are per chunk, summed per segment by the caller.
 Five kernels serve the four optimizers: options are arguments, not specialisations, so a
 new process loads five cached functions (`cache=True`) and compiles nothing.
 """
@@ -22,104 +25,103 @@ _EXP = np.uint32(0x7F800000)  # float32 exponent bits: all ones <=> Inf or NaN
 # Below this many elements a kernel runs on the calling thread: waking the thread pool
 # costs more than the work (milliseconds when the cores are busy).
 PARALLEL_MIN = 1 << 16
+BLOCK = 512        # LAMB phase 1: elements whose update direction is staged in L1
+LANES = 256        # independent float64 partial sums per sum of squares
+f32 = np.float32
+# error_model="numpy": a float division is plain IEEE (no zero test per element), which
+# with 0-based loops over per-chunk views lets LLVM vectorise the sqrt and divisions.
+_OPTS = dict(fastmath=False, error_model="numpy", cache=True)
 
 
-@njit(parallel=True, fastmath=False, cache=True)
+@njit(parallel=True, **_OPTS)
 def _max_exponent(u, lo, hi, out):
     """out[c] = the largest exponent field over chunk c of the float32 bits u: all ones
     means an Inf or NaN there (an integer max, which vectorises unlike a float test)."""
     for c in prange(lo.shape[0]):
+        uw = u[lo[c]:hi[c]]
         e = np.uint32(0)
-        for i in range(lo[c], hi[c]):
-            e = max(e, u[i] & _EXP)
+        for i in range(uw.shape[0]):
+            e = max(e, uw[i] & _EXP)
         out[c] = e
 
 
-@njit(parallel=True, fastmath=False, cache=True)
+@njit(**_OPTS)
+def _sumsq_into(acc, x, s):
+    """acc[k] += float64(x[j*LANES + k] * s)^2 over all rows j: LANES independent float64
+    sums in a fixed order (no reassociation), which LLVM vectorises across k."""
+    n = x.shape[0]
+    for a in range(0, n, LANES):
+        row = x[a:min(a + LANES, n)]
+        for k in range(row.shape[0]):
+            y = np.float64(row[k] * s)
+            acc[k] += y * y
+
+
+@njit(parallel=True, **_OPTS)
 def sumsq_pg(p, g, gscale, lo, hi, out):
-    """LARS norms, per chunk: out[c] = (sum w^2, sum (gscale*g)^2), float64.
-
-    Eight independent accumulators per quantity keep the (strict, unfused) float64 sums
-    from being one serial dependency chain.
-    """
+    """LARS norms, per chunk: out[c] = (sum w^2, sum (gscale*g)^2), float64."""
+    gs = f32(gscale)
     for c in prange(lo.shape[0]):
-        a, b = lo[c], hi[c]
-        w0 = w1 = w2 = w3 = w4 = w5 = w6 = w7 = 0.0
-        g0 = g1 = g2 = g3 = g4 = g5 = g6 = g7 = 0.0
-        stop8 = a + (b - a) // 8 * 8
-        for i in range(a, stop8, 8):
-            x0 = np.float64(p[i]); x1 = np.float64(p[i + 1])
-            x2 = np.float64(p[i + 2]); x3 = np.float64(p[i + 3])
-            x4 = np.float64(p[i + 4]); x5 = np.float64(p[i + 5])
-            x6 = np.float64(p[i + 6]); x7 = np.float64(p[i + 7])
-            w0 += x0 * x0; w1 += x1 * x1; w2 += x2 * x2; w3 += x3 * x3
-            w4 += x4 * x4; w5 += x5 * x5; w6 += x6 * x6; w7 += x7 * x7
-            y0 = np.float64(g[i]) * gscale; y1 = np.float64(g[i + 1]) * gscale
-            y2 = np.float64(g[i + 2]) * gscale; y3 = np.float64(g[i + 3]) * gscale
-            y4 = np.float64(g[i + 4]) * gscale; y5 = np.float64(g[i + 5]) * gscale
-            y6 = np.float64(g[i + 6]) * gscale; y7 = np.float64(g[i + 7]) * gscale
-            g0 += y0 * y0; g1 += y1 * y1; g2 += y2 * y2; g3 += y3 * y3
-            g4 += y4 * y4; g5 += y5 * y5; g6 += y6 * y6; g7 += y7 * y7
-        for i in range(stop8, b):
-            x0 = np.float64(p[i])
-            w0 += x0 * x0
-            y0 = np.float64(g[i]) * gscale
-            g0 += y0 * y0
-        out[c, 0] = ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7))
-        out[c, 1] = ((g0 + g1) + (g2 + g3)) + ((g4 + g5) + (g6 + g7))
+        acc = np.zeros((2, LANES))
+        _sumsq_into(acc[0], p[lo[c]:hi[c]], f32(1.0))
+        _sumsq_into(acc[1], g[lo[c]:hi[c]], gs)
+        out[c, 0] = acc[0].sum()
+        out[c, 1] = acc[1].sum()
 
 
-@njit(fastmath=False, cache=True)
-def _adam_dir(g, m, v, vmax, b1, b2, eps, bc1, bc2, amsgrad):
-    """One element of Adam, float64 in and out (written once, used by both Adam kernels):
-        m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; vmax = max(vmax, v) (amsgrad)
-        r = (m/bc1) / (sqrt(v/bc2) + eps)         (v -> vmax with amsgrad)
-    """
-    m1 = b1 * m + (1.0 - b1) * g
-    v1 = b2 * v + (1.0 - b2) * (g * g)
-    vm = max(vmax, v1) if amsgrad else v1
-    r = (m1 / bc1) / (np.sqrt(vm / bc2) + eps)
-    return m1, v1, vm, r
+@njit(**_OPTS)
+def _adam_dir(d, m, v, vmax, B1, C1, B2, C2, D1, D2, E):
+    """One element of Adam in float32 (written once, used by both Adam kernels):
+        m = b1*m + (1-b1)*g ;  v = b2*v + (1-b2)*g^2 ;  vm = max(vmax, v)
+        r = (m/bc1) / (sqrt(vm/bc2) + eps)
+    Without amsgrad the caller passes vmax = 0, so vm = v (v >= 0)."""
+    m1 = B1 * m + C1 * d
+    v1 = B2 * v + C2 * (d * d)
+    vm = max(vmax, v1)
+    return m1, v1, vm, (m1 / D1) / (np.sqrt(vm / D2) + E)
 
 
-@njit(parallel=True, fastmath=False, cache=True)
+@njit(**_OPTS)
+def _adam_consts(gscale, b1, b2, eps, bc1, bc2):
+    """The float32 coefficients of _adam_dir, rounded once from the float64 arguments."""
+    return (f32(gscale), f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2), f32(bc1), f32(bc2),
+            f32(eps))
+
+
+@njit(parallel=True, **_OPTS)
 def lamb_sums(p, g, m, v, vmax, lo, hi, seg, seg_wd, gscale, b1, b2, eps, bc1, bc2, amsgrad,
               out):
     """LAMB phase 1 (reads only), per chunk: out[c] = (sum w^2, sum u^2, sum g^2) with
         u = r + wd_s*w, r the Adam direction of _adam_dir from the moments after this step.
-    Phase 2 (adam_update) recomputes r from the same inputs, so no scratch buffer is needed.
-    """
+    Phase 2 (adam_update) recomputes r from the same inputs, so no scratch buffer is needed:
+    u is staged BLOCK elements at a time (vectorised), then summed in float64."""
+    gs, B1, C1, B2, C2, D1, D2, E = _adam_consts(gscale, b1, b2, eps, bc1, bc2)
     for c in prange(lo.shape[0]):
         wd = seg_wd[seg[c]]
-        sw0 = sw1 = su0 = su1 = sg0 = sg1 = 0.0
-        a, b = lo[c], hi[c]
-        stop2 = a + (b - a) // 2 * 2
-        for i in range(a, stop2, 2):
-            w = np.float64(p[i]); d = np.float64(g[i]) * gscale
-            vm = np.float64(vmax[i]) if amsgrad else 0.0
-            _, _, _, r = _adam_dir(d, np.float64(m[i]), np.float64(v[i]), vm,
-                                   b1, b2, eps, bc1, bc2, amsgrad)
-            u = r + wd * w
-            sw0 += w * w; su0 += u * u; sg0 += d * d
-            w = np.float64(p[i + 1]); d = np.float64(g[i + 1]) * gscale
-            vm = np.float64(vmax[i + 1]) if amsgrad else 0.0
-            _, _, _, r = _adam_dir(d, np.float64(m[i + 1]), np.float64(v[i + 1]), vm,
-                                   b1, b2, eps, bc1, bc2, amsgrad)
-            u = r + wd * w
-            sw1 += w * w; su1 += u * u; sg1 += d * d
-        for i in range(stop2, b):
-            w = np.float64(p[i]); d = np.float64(g[i]) * gscale
-            vm = np.float64(vmax[i]) if amsgrad else 0.0
-            _, _, _, r = _adam_dir(d, np.float64(m[i]), np.float64(v[i]), vm,
-                                   b1, b2, eps, bc1, bc2, amsgrad)
-            u = r + wd * w
-            sw0 += w * w; su0 += u * u; sg0 += d * d
-        out[c, 0] = sw0 + sw1
-        out[c, 1] = su0 + su1
-        out[c, 2] = sg0 + sg1
+        u = np.empty(BLOCK, np.float32)
+        acc = np.zeros((3, LANES))
+        for a in range(lo[c], hi[c], BLOCK):
+            b = min(a + BLOCK, hi[c])
+            pw, gw, mw, vw = p[a:b], g[a:b], m[a:b], v[a:b]
+            if amsgrad:
+                xw = vmax[a:b]
+                for i in range(b - a):
+                    _, _, _, r = _adam_dir(gw[i] * gs, mw[i], vw[i], xw[i], B1, C1, B2, C2, D1,
+                                           D2, E)
+                    u[i] = r + wd * pw[i]
+            else:
+                for i in range(b - a):
+                    _, _, _, r = _adam_dir(gw[i] * gs, mw[i], vw[i], f32(0.0), B1, C1, B2, C2,
+                                           D1, D2, E)
+                    u[i] = r + wd * pw[i]
+            _sumsq_into(acc[0], pw, f32(1.0))
+            _sumsq_into(acc[1], u[:b - a], f32(1.0))
+            _sumsq_into(acc[2], gw, gs)
+        for k in range(3):
+            out[c, k] = acc[k].sum()
 
 
-@njit(parallel=True, fastmath=False, cache=True)
+@njit(parallel=True, **_OPTS)
 def adam_update(p, g, m, v, vmax, lo, hi, seg, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
                 amsgrad):
     """AdamW, and LAMB phase 2, in one pass:
@@ -127,52 +129,66 @@ def adam_update(p, g, m, v, vmax, lo, hi, seg, seg_wd, seg_c, gscale, b1, b2, ep
         w -= c_s * (r + wd_s*w)       AdamW: c_s = lr (= decoupled decay w -= lr*wd*w);
                                       LAMB:  c_s = lr * trust_s
     """
+    gs, B1, C1, B2, C2, D1, D2, E = _adam_consts(gscale, b1, b2, eps, bc1, bc2)
     for c in prange(lo.shape[0]):
-        s = seg[c]
-        wd = seg_wd[s]
-        cs = seg_c[s]
-        for i in range(lo[c], hi[c]):
-            w = np.float64(p[i])
-            vm = np.float64(vmax[i]) if amsgrad else 0.0
-            m1, v1, vm1, r = _adam_dir(np.float64(g[i]) * gscale, np.float64(m[i]),
-                                       np.float64(v[i]), vm, b1, b2, eps, bc1, bc2, amsgrad)
-            m[i] = np.float32(m1)
-            v[i] = np.float32(v1)
-            if amsgrad:
-                vmax[i] = np.float32(vm1)
-            p[i] = np.float32(w - cs * (r + wd * w))
+        a, b = lo[c], hi[c]
+        wd, cs = seg_wd[seg[c]], seg_c[seg[c]]
+        pw, gw, mw, vw = p[a:b], g[a:b], m[a:b], v[a:b]
+        if amsgrad:
+            xw = vmax[a:b]
+            for i in range(b - a):
+                w = pw[i]
+                m1, v1, vm, r = _adam_dir(gw[i] * gs, mw[i], vw[i], xw[i], B1, C1, B2, C2, D1,
+                                          D2, E)
+                mw[i] = m1
+                vw[i] = v1
+                xw[i] = vm
+                pw[i] = w - cs * (r + wd * w)
+        else:
+            for i in range(b - a):
+                w = pw[i]
+                m1, v1, _, r = _adam_dir(gw[i] * gs, mw[i], vw[i], f32(0.0), B1, C1, B2, C2, D1,
+                                         D2, E)
+                mw[i] = m1
+                vw[i] = v1
+                pw[i] = w - cs * (r + wd * w)
 
 
-@njit(parallel=True, fastmath=False, cache=True)
+@njit(parallel=True, **_OPTS)
 def momentum_update(p, g, buf, lo, hi, seg, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
                     use_buf):
-    """SGD (PyTorch's rule) and LARS (You et al. 2017) in one pass:
+    """SGD (PyTorch's rule) and LARS (You et al. 2017) in one pass, float32:
         d = gscale*g + wd_s*w
         buf = decay*buf + c_s*d                      (decay = 0 on SGD's first step)
         w -= lr * (d + mom*buf if nesterov else buf)
-        without a buffer (use_buf False):  w -= lr * c_s * d
+        without a buffer (use_buf False):  w -= lr * (c_s*d)
     SGD: c_s = 1 - dampening (1 on the first step), lr = lr.
     LARS: c_s = lr * trust_s, lr = 1 (the learning rate lives inside the momentum).
     """
+    gs, dec, mo, lr32 = f32(gscale), f32(decay), f32(mom), f32(lr)
     for c in prange(lo.shape[0]):
-        s = seg[c]
-        wd = seg_wd[s]
-        cs = seg_c[s]
-        if use_buf:
-            for i in range(lo[c], hi[c]):
-                w = np.float64(p[i])
-                d = np.float64(g[i]) * gscale + wd * w
-                b = decay * np.float64(buf[i]) + cs * d
-                buf[i] = np.float32(b)
-                if nesterov:
-                    p[i] = np.float32(w - lr * (d + mom * b))
-                else:
-                    p[i] = np.float32(w - lr * b)
+        a, b = lo[c], hi[c]
+        wd, cs = seg_wd[seg[c]], seg_c[seg[c]]
+        pw, gw = p[a:b], g[a:b]
+        if not use_buf:
+            for i in range(b - a):
+                w = pw[i]
+                pw[i] = w - lr32 * (cs * (gw[i] * gs + wd * w))
+            continue
+        bw = buf[a:b]
+        if nesterov:
+            for i in range(b - a):
+                w = pw[i]
+                d = gw[i] * gs + wd * w
+                bb = dec * bw[i] + cs * d
+                bw[i] = bb
+                pw[i] = w - lr32 * (d + mo * bb)
         else:
-            for i in range(lo[c], hi[c]):
-                w = np.float64(p[i])
-                d = np.float64(g[i]) * gscale + wd * w
-                p[i] = np.float32(w - lr * (cs * d))
+            for i in range(b - a):
+                w = pw[i]
+                bb = dec * bw[i] + cs * (gw[i] * gs + wd * w)
+                bw[i] = bb
+                pw[i] = w - lr32 * bb
 
 
 def segment_totals(partials, seg, nseg):
@@ -182,10 +198,14 @@ def segment_totals(partials, seg, nseg):
     return out
 
 
+def _f32(x):
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 class CPUKernels:
     """The kernels bound to one optimizer's Plan (chunks), with the interface that
-    mpidist.optim calls on every backend. Per-segment arrays have one entry per layout
-    segment; sums come back as float64 (nseg, k) NumPy arrays."""
+    mpidist.optim calls on every backend. Per-segment arrays (one entry per layout segment)
+    come as float64 and are rounded to float32 here; sums come back as float64 (nseg, k)."""
 
     def __init__(self, plan):
         self.lo, self.hi, self.seg, self.nseg = plan.lo, plan.hi, plan.seg, plan.nseg
@@ -213,16 +233,16 @@ class CPUKernels:
 
     def lamb_sums(self, p, g, m, v, vmax, seg_wd, gscale, b1, b2, eps, bc1, bc2, amsgrad):
         out = np.empty((self.lo.shape[0], 3), np.float64)
-        self._run(lamb_sums, p, g, m, v, vmax, self.lo, self.hi, self.seg, seg_wd, gscale, b1, b2,
-                  eps, bc1, bc2, amsgrad, out)
+        self._run(lamb_sums, p, g, m, v, vmax, self.lo, self.hi, self.seg, _f32(seg_wd), gscale,
+                  b1, b2, eps, bc1, bc2, amsgrad, out)
         return segment_totals(out, self.seg, self.nseg)
 
     def adam_update(self, p, g, m, v, vmax, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
                     amsgrad):
-        self._run(adam_update, p, g, m, v, vmax, self.lo, self.hi, self.seg, seg_wd, seg_c, gscale,
-                  b1, b2, eps, bc1, bc2, amsgrad)
+        self._run(adam_update, p, g, m, v, vmax, self.lo, self.hi, self.seg, _f32(seg_wd),
+                  _f32(seg_c), gscale, b1, b2, eps, bc1, bc2, amsgrad)
 
     def momentum_update(self, p, g, buf, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
                         use_buf):
-        self._run(momentum_update, p, g, buf, self.lo, self.hi, self.seg, seg_wd, seg_c, gscale,
-                  decay, mom, lr, nesterov, use_buf)
+        self._run(momentum_update, p, g, buf, self.lo, self.hi, self.seg, _f32(seg_wd),
+                  _f32(seg_c), gscale, decay, mom, lr, nesterov, use_buf)

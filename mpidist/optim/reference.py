@@ -1,9 +1,10 @@
 """Plain NumPy reference implementations of the four update rules, for the tests.
 
 They follow the published rules as written in each optimizer's module docstring, one tensor
-(segment) at a time, with the same arithmetic contract as the kernels: float64 per element,
-states stored as float32, fp16/bf16 parameters updated through an fp32 master copy. A kernel
-that agrees with these to rtol 1e-6 over many steps implements the rule.
+(segment) at a time, with the same arithmetic contract as the kernels: float32 element-wise
+(hyperparameters rounded to float32 once), sums of squares in float64, fp16/bf16 parameters
+updated through an fp32 master copy. A kernel that agrees with these to rtol 1e-6 over many
+steps implements the rule.
 """
 from __future__ import annotations
 
@@ -11,58 +12,67 @@ import numpy as np
 
 __all__ = ["Reference", "sgd", "adamw", "lars", "lamb"]
 
+f32 = np.float32
+
+
+def _sumsq(x) -> float:
+    return float(np.sum(np.square(x.astype(np.float64))))
+
 
 def sgd(w, g, buf, t, *, lr, momentum, dampening, nesterov, wd):
-    """One SGD step on float64 w, g (one tensor); buf float32 or None; returns new w."""
-    d = g + wd * w
+    """One SGD step on float32 w, g (one tensor, updated in place); buf float32 or None."""
+    d = g + f32(wd) * w
     if momentum > 0:
-        b = d if t == 1 else momentum * buf.astype(np.float64) + (1.0 - dampening) * d
-        buf[...] = b
-        d = d + momentum * b if nesterov else b
-    return w - lr * d
+        if t == 1:
+            buf[...] = d
+        else:
+            buf[...] = f32(momentum) * buf + f32(1.0 - dampening) * d
+        d = d + f32(momentum) * buf if nesterov else buf
+    w -= f32(lr) * d
 
 
 def _adam(g, m, v, vmax, t, betas, eps, bias_correction):
-    """Moments after this step (stored into m, v, vmax) and the direction m_hat/(sqrt(v_hat)+eps)."""
+    """Update m, v (and vmax) in place; return the direction m_hat/(sqrt(v_hat) + eps)."""
     b1, b2 = betas
     bc1, bc2 = (1.0 - b1 ** t, 1.0 - b2 ** t) if bias_correction else (1.0, 1.0)
-    m1 = b1 * m.astype(np.float64) + (1.0 - b1) * g
-    v1 = b2 * v.astype(np.float64) + (1.0 - b2) * (g * g)
-    m[...] = m1
-    v[...] = v1
+    m[...] = f32(b1) * m + f32(1.0 - b1) * g
+    v[...] = f32(b2) * v + f32(1.0 - b2) * (g * g)
+    vm = v
     if vmax is not None:
-        v1 = np.maximum(vmax.astype(np.float64), v1)
-        vmax[...] = v1
-    return (m1 / bc1) / (np.sqrt(v1 / bc2) + eps)
+        vmax[...] = np.maximum(vmax, v)
+        vm = vmax
+    return (m / f32(bc1)) / (np.sqrt(vm / f32(bc2)) + f32(eps))
 
 
 def adamw(w, g, m, v, vmax, t, *, lr, betas, eps, wd, bias_correction=True):
-    """One AdamW step (decoupled decay: w - lr*wd*w - lr*r)."""
+    """One AdamW step (decoupled decay: w - lr*wd*w - lr*r), in place."""
     r = _adam(g, m, v, vmax, t, betas, eps, bias_correction)
-    return w - lr * (r + wd * w)
+    w -= f32(lr) * (r + f32(wd) * w)
 
 
-def lars_trust(w, g, *, eta, wd):
-    wn, gn = np.sqrt(np.sum(w * w)), np.sqrt(np.sum(g * g))
+def lars_trust(w, g, *, eta, wd) -> float:
+    wn, gn = np.sqrt(_sumsq(w)), np.sqrt(_sumsq(g))
     return eta * wn / (gn + wd * wn) if wn > 0 and gn > 0 else 1.0
 
 
 def lars(w, g, buf, *, lr, momentum, trust, wd):
-    """One LARS step: v = momentum*v + lr*trust*(g + wd*w); w - v."""
-    v = (lr * trust) * (g + wd * w)
+    """One LARS step in place: v = momentum*v + lr*trust*(g + wd*w); w - v."""
+    d = g + f32(wd) * w
     if momentum > 0:
-        v = momentum * buf.astype(np.float64) + v
-        buf[...] = v
-    return w - v
+        buf[...] = f32(momentum) * buf + f32(lr * trust) * d
+        w -= buf
+    else:
+        w -= f32(1.0) * (f32(lr * trust) * d)
 
 
 def lamb(w, g, m, v, vmax, t, *, lr, betas, eps, wd, bias_correction, phi_clamp, trust_clamp,
-         adapt=True):
-    """One LAMB step; returns (new w, trust ratio)."""
-    u = _adam(g, m, v, vmax, t, betas, eps, bias_correction) + wd * w
-    wn, un = np.clip(np.sqrt(np.sum(w * w)), *phi_clamp), np.sqrt(np.sum(u * u))
+         adapt=True) -> float:
+    """One LAMB step in place; returns the trust ratio."""
+    u = _adam(g, m, v, vmax, t, betas, eps, bias_correction) + f32(wd) * w
+    wn, un = np.clip(np.sqrt(_sumsq(w)), *phi_clamp), np.sqrt(_sumsq(u))
     trust = float(np.clip(wn / un if wn > 0 and un > 0 else 1.0, *trust_clamp)) if adapt else 1.0
-    return w - (lr * trust) * u, trust
+    w -= f32(lr * trust) * u
+    return trust
 
 
 class Reference:
@@ -89,7 +99,7 @@ class Reference:
         self.master = None
 
     def step(self, params, grads, loss_scale=1.0):
-        g_all = grads.astype(np.float32).astype(np.float64) * (1.0 / loss_scale)
+        g_all = grads.astype(np.float32) * f32(1.0 / loss_scale)
         if not np.isfinite(g_all).all():
             return True, None
         if params.dtype != np.float32 and self.master is None:
@@ -100,28 +110,27 @@ class Reference:
         trusts = np.ones(len(self.layout)) if self.name in ("lars", "lamb") else None
         for s in self.layout:
             sl = slice(s.offset, s.stop)
-            w, g = target[sl].astype(np.float64), g_all[sl]
+            w, g = target[sl], g_all[sl]
             st = {k: v[sl] for k, v in self.state.items()}
             wd = 0.0 if self.excluded[s.index] else h["weight_decay"]
             if self.name == "sgd":
-                new = sgd(w, g, st.get("momentum_buffer"), self.t, lr=lr, momentum=h["momentum"],
+                sgd(w, g, st.get("momentum_buffer"), self.t, lr=lr, momentum=h["momentum"],
                           dampening=h["dampening"], nesterov=h["nesterov"], wd=wd)
             elif self.name == "adamw":
-                new = adamw(w, g, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"),
+                adamw(w, g, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"),
                             self.t, lr=lr, betas=h["betas"], eps=h["eps"], wd=wd,
                             bias_correction=h["bias_correction"])
             elif self.name == "lars":
                 trust = 1.0 if self.excluded[s.index] else lars_trust(w, g, eta=h["eta"], wd=wd)
-                new = lars(w, g, st.get("momentum_buffer"), lr=lr, momentum=h["momentum"],
+                lars(w, g, st.get("momentum_buffer"), lr=lr, momentum=h["momentum"],
                            trust=trust, wd=wd)
                 trusts[s.index] = trust
             else:
-                new, trusts[s.index] = lamb(
+                trusts[s.index] = lamb(
                     w, g, st["exp_avg"], st["exp_avg_sq"], st.get("max_exp_avg_sq"), self.t,
                     lr=lr, betas=h["betas"], eps=h["eps"], wd=wd,
                     bias_correction=h["bias_correction"], phi_clamp=h["phi_clamp"],
                     trust_clamp=h["trust_clamp"], adapt=not self.excluded[s.index])
-            target[sl] = new
         if self.master is not None:
             params[...] = self.master.astype(params.dtype)
         return False, trusts
