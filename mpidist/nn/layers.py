@@ -79,7 +79,7 @@ class GELU(Module):
     def forward(self, x, train=True):
         xp = get_array_module(x)
         self._x = x
-        self._t = xp.tanh(self._C * (x + 0.044715 * x ** 3))
+        self._t = xp.tanh(self._C * (x + 0.044715 * (x * x * x)))
         return 0.5 * x * (1.0 + self._t)
 
     def backward(self, dy):
@@ -185,7 +185,11 @@ class Embedding(Module):
 
     def backward(self, dy):
         xp = get_array_module(dy)
-        xp.add.at(self.g["weight"], self._ids.reshape(-1), dy.reshape(-1, self.dim))
+        if xp is np:
+            np.add.at(self.g["weight"], self._ids.reshape(-1), dy.reshape(-1, self.dim))
+        else:                                  # CuPy's scatter-add (atomic adds on the device)
+            import cupyx
+            cupyx.scatter_add(self.g["weight"], self._ids.reshape(-1), dy.reshape(-1, self.dim))
         self._ids = None
         self._grads_ready()
         return None
