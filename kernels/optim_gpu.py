@@ -1,8 +1,9 @@
 """GPU kernels of the optimizers: CuPy (ElementwiseKernel / RawKernel) and numba.cuda.
 
-Same contract as optim_cpu (float32 storage, float64 arithmetic per element, one fused pass
-per update, per-chunk sums of squares summed per segment on the host), and the same
-interface (`CuPyKernels`, `NumbaCudaKernels`) that mpidist.optim calls.
+Same contract as optim_cpu (float32 storage and element arithmetic with float32 coefficients
+rounded once, no fused multiply-add, float64 sums of squares, one fused pass per update,
+per-chunk sums summed per segment on the host), and the same interface (`CuPyKernels`,
+`NumbaCudaKernels`) that mpidist.optim calls.
 
 - Element-wise updates run one thread per element; the element's segment comes from a binary
   search over the range's piece bounds (`pbounds`, a few hundred entries, cached), so no
@@ -21,11 +22,11 @@ import functools
 import math
 
 import numpy as np
-from numba import config as numba_config, cuda, float64
+from numba import config as numba_config, cuda, float32, float64
 
-from mpidist.kernels.backend import cupy as _cupy
+from mpidist.kernels.backend import cupy as _cupy, get_array_module
 
-__all__ = ["CuPyKernels", "NumbaCudaKernels", "GPU_CHUNK", "THREADS"]
+__all__ = ["CuPyKernels", "NumbaCudaKernels", "adam_consts", "gpu_chunks", "GPU_CHUNK", "THREADS"]
 
 GPU_CHUNK = 8192      # elements per block of a segmented sum
 THREADS = 256         # threads per block (a power of two: the shared-memory tree needs it)
@@ -42,6 +43,13 @@ def gpu_chunks(plan, chunk: int = GPU_CHUNK):
         seg.append(np.full(starts.shape, s, np.int64))
     cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
     return cat(lo), cat(hi), cat(seg)
+
+
+def adam_consts(gscale, b1, b2, eps, bc1, bc2):
+    """The float32 coefficients (gs, B1, C1, B2, C2, D1, D2, E) of the Adam direction,
+    rounded once from the float64 hyperparameters (as optim_cpu._adam_consts)."""
+    f = np.float32
+    return (f(gscale), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2), f(bc1), f(bc2), f(eps))
 
 
 def _totals(partials, seg, nseg):
@@ -61,20 +69,20 @@ __device__ __forceinline__ long long piece_of(const long long* pb, long long npi
     }
     return lo;
 }
-// m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; vm = max(vmax, v) (amsgrad)
-// r = (m/bc1) / (sqrt(vm/bc2) + eps)
-__device__ __forceinline__ double adam_dir(double g, double m, double v, double vmax,
-        double b1, double b2, double eps, double bc1, double bc2, int amsgrad,
-        double* m1, double* v1, double* vm1) {
-    *m1 = b1 * m + (1.0 - b1) * g;
-    *v1 = b2 * v + (1.0 - b2) * (g * g);
-    *vm1 = amsgrad ? fmax(vmax, *v1) : *v1;
-    return (*m1 / bc1) / (sqrt(*vm1 / bc2) + eps);
+// m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; vm = max(vmax, v) ; r = (m/bc1) / (sqrt(vm/bc2) + eps)
+// (float32; without amsgrad the caller passes vmax = 0, so vm = v)
+__device__ __forceinline__ float adam_dir(float d, float m, float v, float vmax, float B1,
+        float C1, float B2, float C2, float D1, float D2, float E, float* m1, float* v1,
+        float* vm1) {
+    *m1 = B1 * m + C1 * d;
+    *v1 = B2 * v + C2 * (d * d);
+    *vm1 = fmaxf(vmax, *v1);
+    return (*m1 / D1) / (sqrtf(*vm1 / D2) + E);
 }
 """
 
 _CUDA_SUMS = _CUDA_COMMON + r"""
-// block-wide sum of k values per thread into out[c*k + j] (THREADS a power of two)
+// block-wide sum of K values per thread into out[c*K + j] (blockDim a power of two)
 template <int K>
 __device__ void block_sum(double (*sh)[K], double* acc, double* out, int c) {
     int t = threadIdx.x;
@@ -87,14 +95,14 @@ __device__ void block_sum(double (*sh)[K], double* acc, double* out, int c) {
     if (t == 0) for (int j = 0; j < K; ++j) out[(long long)c * K + j] = sh[0][j];
 }
 
-// LARS norms: out[c] = (sum w^2, sum (gscale*g)^2) over chunk c
-extern "C" __global__ void sumsq_pg(const float* p, const float* g, double gscale,
+// LARS norms: out[c] = (sum w^2, sum (gscale*g)^2) over chunk c, float64
+extern "C" __global__ void sumsq_pg(const float* p, const float* g, float gs,
         const long long* lo, const long long* hi, double* out) {
     __shared__ double sh[THREADS][2];
     double acc[2] = {0.0, 0.0};
     int c = blockIdx.x;
     for (long long i = lo[c] + threadIdx.x; i < hi[c]; i += blockDim.x) {
-        double w = p[i], d = (double)g[i] * gscale;
+        double w = p[i], d = (double)(g[i] * gs);
         acc[0] += w * w; acc[1] += d * d;
     }
     block_sum<2>(sh, acc, out, c);
@@ -103,18 +111,18 @@ extern "C" __global__ void sumsq_pg(const float* p, const float* g, double gscal
 // LAMB phase 1: out[c] = (sum w^2, sum u^2, sum g^2), u = r + wd_s*w (nothing written)
 extern "C" __global__ void lamb_sums(const float* p, const float* g, const float* m,
         const float* v, const float* vmax, const long long* lo, const long long* hi,
-        const long long* seg, const double* seg_wd, double gscale, double b1, double b2,
-        double eps, double bc1, double bc2, int amsgrad, double* out) {
+        const long long* seg, const float* seg_wd, float gs, float B1, float C1, float B2,
+        float C2, float D1, float D2, float E, int amsgrad, double* out) {
     __shared__ double sh[THREADS][3];
     double acc[3] = {0.0, 0.0, 0.0};
     int c = blockIdx.x;
-    double wd = seg_wd[seg[c]];
+    float wd = seg_wd[seg[c]];
     for (long long i = lo[c] + threadIdx.x; i < hi[c]; i += blockDim.x) {
-        double w = p[i], d = (double)g[i] * gscale, m1, v1, vm1;
-        double r = adam_dir(d, m[i], v[i], amsgrad ? (double)vmax[i] : 0.0, b1, b2, eps,
-                            bc1, bc2, amsgrad, &m1, &v1, &vm1);
-        double u = r + wd * w;
-        acc[0] += w * w; acc[1] += u * u; acc[2] += d * d;
+        float w = p[i], d = g[i] * gs, m1, v1, vm1;
+        float r = adam_dir(d, m[i], v[i], amsgrad ? vmax[i] : 0.0f, B1, C1, B2, C2, D1, D2, E,
+                           &m1, &v1, &vm1);
+        double u = (double)(r + wd * w), wf = w, df = d;
+        acc[0] += wf * wf; acc[1] += u * u; acc[2] += df * df;
     }
     block_sum<3>(sh, acc, out, c);
 }
@@ -123,27 +131,27 @@ extern "C" __global__ void lamb_sums(const float* p, const float* g, const float
 # AdamW, and LAMB phase 2:  w -= c_s * (r + wd_s*w)
 _ADAM_OP = r"""
     long long s = pseg[piece_of(&pb[0], npiece, i)];
-    double w = p, m1, v1, vm1;
-    double r = adam_dir((double)g * gscale, m, v, amsgrad ? (double)vmax[i] : 0.0,
-                        b1, b2, eps, bc1, bc2, amsgrad, &m1, &v1, &vm1);
-    m = (float)m1;
-    v = (float)v1;
-    if (amsgrad) vmax[i] = (float)vm1;
-    p = (float)(w - seg_c[s] * (r + seg_wd[s] * w));
+    float w = p, m1, v1, vm1;
+    float r = adam_dir(g * gs, m, v, amsgrad ? vmax[i] : 0.0f, B1, C1, B2, C2, D1, D2, E,
+                       &m1, &v1, &vm1);
+    m = m1;
+    v = v1;
+    if (amsgrad) vmax[i] = vm1;
+    p = w - seg_c[s] * (r + seg_wd[s] * w);
 """
 
 # SGD and LARS:  d = gscale*g + wd_s*w ; buf = decay*buf + c_s*d ;
-#                w -= lr * (d + mom*buf if nesterov else buf) ; no buffer: w -= lr*c_s*d
+#                w -= lr * (d + mom*buf if nesterov else buf) ; no buffer: w -= lr*(c_s*d)
 _MOMENTUM_OP = r"""
     long long s = pseg[piece_of(&pb[0], npiece, i)];
-    double w = p;
-    double d = (double)g * gscale + seg_wd[s] * w;
+    float w = p;
+    float d = g * gs + seg_wd[s] * w;
     if (use_buf) {
-        double b = decay * (double)buf[i] + seg_c[s] * d;
-        buf[i] = (float)b;
-        p = (float)(w - lr * (nesterov ? d + mom * b : b));
+        float b = decay * buf[i] + seg_c[s] * d;
+        buf[i] = b;
+        p = w - lr * (nesterov ? d + mom * b : b);
     } else {
-        p = (float)(w - lr * (seg_c[s] * d));
+        p = w - lr * (seg_c[s] * d);
     }
 """
 
@@ -154,14 +162,14 @@ def _cupy_kernels():
     cp = _cupy()
     opts = ("--fmad=false",)   # no fused multiply-add: the same rounding as the reference
     adam = cp.ElementwiseKernel(
-        "float32 g, raw int64 pb, raw int64 pseg, int64 npiece, raw float64 seg_wd, "
-        "raw float64 seg_c, float64 gscale, float64 b1, float64 b2, float64 eps, "
-        "float64 bc1, float64 bc2, int32 amsgrad",
+        "float32 g, raw int64 pb, raw int64 pseg, int64 npiece, raw float32 seg_wd, "
+        "raw float32 seg_c, float32 gs, float32 B1, float32 C1, float32 B2, float32 C2, "
+        "float32 D1, float32 D2, float32 E, int32 amsgrad",
         "float32 p, float32 m, float32 v, raw float32 vmax",
         _ADAM_OP, "mpidist_adam_update", preamble=_CUDA_COMMON, options=opts)
     momentum = cp.ElementwiseKernel(
-        "float32 g, raw int64 pb, raw int64 pseg, int64 npiece, raw float64 seg_wd, "
-        "raw float64 seg_c, float64 gscale, float64 decay, float64 mom, float64 lr, "
+        "float32 g, raw int64 pb, raw int64 pseg, int64 npiece, raw float32 seg_wd, "
+        "raw float32 seg_c, float32 gs, float32 decay, float32 mom, float32 lr, "
         "int32 nesterov, int32 use_buf",
         "float32 p, raw float32 buf",
         _MOMENTUM_OP, "mpidist_momentum_update", preamble=_CUDA_COMMON, options=opts)
@@ -182,6 +190,9 @@ class CuPyKernels:
         self.lo, self.hi, self.seg = cp.asarray(lo), cp.asarray(hi), cp.asarray(self.seg_host)
         self.adam, self.momentum, self.sumsq, self.lamb = _cupy_kernels()
 
+    def _f32(self, x):
+        return self.cp.asarray(x, dtype=np.float32)
+
     def all_finite(self, g) -> bool:
         return bool(self.cp.isfinite(g).all())
 
@@ -193,29 +204,30 @@ class CuPyKernels:
         return _totals(out.get(), self.seg_host, self.nseg)
 
     def sumsq_pg(self, p, g, gscale):
-        return self._sums(_cu_sumsq_pg, 2, (p, g, np.float64(gscale), self.lo, self.hi))
+        return self._sums(self.sumsq, 2, (p, g, np.float32(gscale), self.lo, self.hi))
 
     def lamb_sums(self, p, g, m, v, vmax, seg_wd, gscale, b1, b2, eps, bc1, bc2, amsgrad):
-        f = np.float64
-        return self._sums(_cu_lamb_sums, 3, (
-            p, g, m, v, vmax, self.lo, self.hi, self.seg, self.cp.asarray(seg_wd), f(gscale),
-            f(b1), f(b2), f(eps), f(bc1), f(bc2), np.int32(amsgrad)))
+        return self._sums(self.lamb, 3, (
+            p, g, m, v, vmax, self.lo, self.hi, self.seg, self._f32(seg_wd),
+            *adam_consts(gscale, b1, b2, eps, bc1, bc2), np.int32(amsgrad)))
 
     def adam_update(self, p, g, m, v, vmax, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
                     amsgrad):
-        cp = self.cp
-        self.adam(g, self.pb, self.pseg, self.npiece, cp.asarray(seg_wd), cp.asarray(seg_c),
-                  gscale, b1, b2, eps, bc1, bc2, int(amsgrad), p, m, v, vmax)
+        self.adam(g, self.pb, self.pseg, self.npiece, self._f32(seg_wd), self._f32(seg_c),
+                  *adam_consts(gscale, b1, b2, eps, bc1, bc2), np.int32(amsgrad), p, m, v, vmax)
 
     def momentum_update(self, p, g, buf, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
                         use_buf):
-        cp = self.cp
-        self.momentum(g, self.pb, self.pseg, self.npiece, cp.asarray(seg_wd),
-                      cp.asarray(seg_c), gscale, decay, mom, lr, int(nesterov), int(use_buf),
+        f = np.float32
+        self.momentum(g, self.pb, self.pseg, self.npiece, self._f32(seg_wd), self._f32(seg_c),
+                      f(gscale), f(decay), f(mom), f(lr), np.int32(nesterov), np.int32(use_buf),
                       p, buf)
 
 
 # ------------------------------------------------------------------------------ numba.cuda
+# Scalars arrive as np.float32, so the arithmetic is float32 both compiled (float32 x
+# float32) and in the simulator (NumPy scalars); sqrt goes through float64 and is rounded
+# back, which equals a correctly rounded float32 sqrt.
 @cuda.jit(device=True)
 def _cu_piece_of(pb, i):
     lo, hi = 0, pb.shape[0] - 1
@@ -229,26 +241,25 @@ def _cu_piece_of(pb, i):
 
 
 @cuda.jit(device=True)
-def _cu_adam_dir(g, m, v, vmax, b1, b2, eps, bc1, bc2, amsgrad):
-    # m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; vm = max(vmax, v) (amsgrad)
+def _cu_adam_dir(d, m, v, vmax, B1, C1, B2, C2, D1, D2, E):
+    # m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; vm = max(vmax, v)
     # r = (m/bc1) / (sqrt(vm/bc2) + eps)
-    m1 = b1 * m + (1.0 - b1) * g
-    v1 = b2 * v + (1.0 - b2) * (g * g)
-    vm = max(vmax, v1) if amsgrad else v1
-    return m1, v1, vm, (m1 / bc1) / (math.sqrt(vm / bc2) + eps)
+    m1 = B1 * m + C1 * d
+    v1 = B2 * v + C2 * (d * d)
+    vm = max(vmax, v1)
+    return m1, v1, vm, (m1 / D1) / (float32(math.sqrt(vm / D2)) + E)
 
 
 @cuda.jit
-def _cu_adam_update(p, g, m, v, vmax, pb, pseg, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
-                amsgrad):
+def _cu_adam_update(p, g, m, v, vmax, pb, pseg, seg_wd, seg_c, gs, B1, C1, B2, C2, D1, D2, E,
+                    amsgrad):
     # w -= c_s * (r + wd_s*w)
     i = cuda.grid(1)
     while i < p.shape[0]:
         s = pseg[_cu_piece_of(pb, i)]
-        w = float(p[i])
-        vm0 = float(vmax[i]) if amsgrad else 0.0
-        m1, v1, vm1, r = _cu_adam_dir(float(g[i]) * gscale, float(m[i]), float(v[i]), vm0,
-                                  b1, b2, eps, bc1, bc2, amsgrad)
+        w = p[i]
+        vm0 = vmax[i] if amsgrad else float32(0.0)
+        m1, v1, vm1, r = _cu_adam_dir(g[i] * gs, m[i], v[i], vm0, B1, C1, B2, C2, D1, D2, E)
         m[i] = m1
         v[i] = v1
         if amsgrad:
@@ -258,16 +269,16 @@ def _cu_adam_update(p, g, m, v, vmax, pb, pseg, seg_wd, seg_c, gscale, b1, b2, e
 
 
 @cuda.jit
-def _cu_momentum_update(p, g, buf, pb, pseg, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
-                    use_buf):
+def _cu_momentum_update(p, g, buf, pb, pseg, seg_wd, seg_c, gs, decay, mom, lr, nesterov,
+                        use_buf):
     # d = gscale*g + wd_s*w ; buf = decay*buf + c_s*d ; w -= lr*(d + mom*buf | buf)
     i = cuda.grid(1)
     while i < p.shape[0]:
         s = pseg[_cu_piece_of(pb, i)]
-        w = float(p[i])
-        d = float(g[i]) * gscale + seg_wd[s] * w
+        w = p[i]
+        d = g[i] * gs + seg_wd[s] * w
         if use_buf:
-            b = decay * float(buf[i]) + seg_c[s] * d
+            b = decay * buf[i] + seg_c[s] * d
             buf[i] = b
             p[i] = w - lr * (d + mom * b if nesterov else b)
         else:
@@ -291,8 +302,8 @@ def _cu_block_sum(sh, k, out, c):
 
 
 @cuda.jit
-def _cu_sumsq_pg(p, g, gscale, lo, hi, out):
-    # out[c] = (sum w^2, sum (gscale*g)^2) over chunk c
+def _cu_sumsq_pg(p, g, gs, lo, hi, out):
+    # out[c] = (sum w^2, sum (gscale*g)^2) over chunk c, float64
     sh = cuda.shared.array((THREADS, 2), float64)
     c, t = cuda.blockIdx.x, cuda.threadIdx.x
     aw = 0.0
@@ -300,7 +311,7 @@ def _cu_sumsq_pg(p, g, gscale, lo, hi, out):
     i = lo[c] + t
     while i < hi[c]:
         w = float(p[i])
-        d = float(g[i]) * gscale
+        d = float(g[i] * gs)
         aw += w * w
         ag += d * d
         i += cuda.blockDim.x
@@ -311,8 +322,8 @@ def _cu_sumsq_pg(p, g, gscale, lo, hi, out):
 
 
 @cuda.jit
-def _cu_lamb_sums(p, g, m, v, vmax, lo, hi, seg, seg_wd, gscale, b1, b2, eps, bc1, bc2,
-              amsgrad, out):
+def _cu_lamb_sums(p, g, m, v, vmax, lo, hi, seg, seg_wd, gs, B1, C1, B2, C2, D1, D2, E,
+                  amsgrad, out):
     # out[c] = (sum w^2, sum u^2, sum g^2), u = r + wd_s*w
     sh = cuda.shared.array((THREADS, 3), float64)
     c, t = cuda.blockIdx.x, cuda.threadIdx.x
@@ -322,15 +333,14 @@ def _cu_lamb_sums(p, g, m, v, vmax, lo, hi, seg, seg_wd, gscale, b1, b2, eps, bc
     ag = 0.0
     i = lo[c] + t
     while i < hi[c]:
-        w = float(p[i])
-        d = float(g[i]) * gscale
-        vm0 = float(vmax[i]) if amsgrad else 0.0
-        _, _, _, r = _cu_adam_dir(d, float(m[i]), float(v[i]), vm0, b1, b2, eps, bc1, bc2,
-                              amsgrad)
-        u = r + wd * w
-        aw += w * w
+        w = p[i]
+        d = g[i] * gs
+        vm0 = vmax[i] if amsgrad else float32(0.0)
+        _, _, _, r = _cu_adam_dir(d, m[i], v[i], vm0, B1, C1, B2, C2, D1, D2, E)
+        u = float(r + wd * w)
+        aw += float(w) * float(w)
         au += u * u
-        ag += d * d
+        ag += float(d) * float(d)
         i += cuda.blockDim.x
     sh[t, 0] = aw
     sh[t, 1] = au
@@ -344,7 +354,6 @@ class NumbaCudaKernels:
     NumPy under the CUDA simulator."""
 
     def __init__(self, plan):
-        self.cuda = cuda
         # the simulator runs every thread as a Python thread: small blocks there
         self.nseg, self.threads = plan.nseg, 32 if numba_config.ENABLE_CUDASIM else THREADS
         self.pb, self.pseg = cuda.to_device(plan.pbounds), cuda.to_device(plan.pseg)
@@ -357,40 +366,44 @@ class NumbaCudaKernels:
     def _grid(self):
         return max(1, min(1024, -(-self.n // self.threads)))
 
+    @staticmethod
+    def _f32(x):
+        return cuda.to_device(np.ascontiguousarray(x, dtype=np.float32))
+
+    @staticmethod
+    def _nonempty(a):
+        """An unused state argument: a one-element array (kernels never index it)."""
+        return a if a.shape[0] else cuda.device_array(1, np.float32)
+
     def all_finite(self, g) -> bool:
-        from mpidist.kernels.backend import get_array_module
         return bool(get_array_module(g).isfinite(g).all())
 
     def _sums(self, kernel, k, args):
-        out = self.cuda.device_array((self.nchunk, k), np.float64)
+        out = cuda.device_array((self.nchunk, k), np.float64)
         if self.nchunk:
             kernel[self.nchunk, self.threads](*args, out)
         return _totals(out.copy_to_host(), self.seg_host, self.nseg)
 
     def sumsq_pg(self, p, g, gscale):
-        return self._sums(_cu_sumsq_pg, 2, (p, g, float(gscale), self.lo, self.hi))
+        return self._sums(_cu_sumsq_pg, 2, (p, g, np.float32(gscale), self.lo, self.hi))
 
     def lamb_sums(self, p, g, m, v, vmax, seg_wd, gscale, b1, b2, eps, bc1, bc2, amsgrad):
         return self._sums(_cu_lamb_sums, 3, (
-            p, g, m, v, self._nonempty(vmax), self.lo, self.hi, self.seg,
-            self.cuda.to_device(seg_wd), float(gscale), b1, b2, eps, bc1, bc2, bool(amsgrad)))
+            p, g, m, v, self._nonempty(vmax), self.lo, self.hi, self.seg, self._f32(seg_wd),
+            *adam_consts(gscale, b1, b2, eps, bc1, bc2), bool(amsgrad)))
 
     def adam_update(self, p, g, m, v, vmax, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
                     amsgrad):
         if self.n:
             _cu_adam_update[self._grid(), self.threads](
-                p, g, m, v, self._nonempty(vmax), self.pb, self.pseg,
-                self.cuda.to_device(seg_wd), self.cuda.to_device(seg_c), float(gscale), b1, b2,
-                eps, bc1, bc2, bool(amsgrad))
+                p, g, m, v, self._nonempty(vmax), self.pb, self.pseg, self._f32(seg_wd),
+                self._f32(seg_c), *adam_consts(gscale, b1, b2, eps, bc1, bc2), bool(amsgrad))
 
     def momentum_update(self, p, g, buf, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
                         use_buf):
+        f = np.float32
         if self.n:
             _cu_momentum_update[self._grid(), self.threads](
-                p, g, self._nonempty(buf), self.pb, self.pseg, self.cuda.to_device(seg_wd),
-                self.cuda.to_device(seg_c), float(gscale), float(decay), float(mom), float(lr),
-                bool(nesterov), bool(use_buf))
-
-    def _nonempty(self, a):
-        """An unused state argument: a one-element array (kernels never index it)."""
-        return a if a.shape[0] else self.cuda.device_array(1, np.float32)
+                p, g, self._nonempty(buf), self.pb, self.pseg, self._f32(seg_wd),
+                self._f32(seg_c), f(gscale), f(decay), f(mom), f(lr), bool(nesterov),
+                bool(use_buf))
