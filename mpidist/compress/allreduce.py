@@ -1,13 +1,15 @@
 """The compressed allreduce: the average over ranks of each rank's compressed gradient,
 with the exact number of bytes each rank sent.
 
-Three ways, by the compressor's aggregation:
+Three ways (the default is the compressor's aggregation):
 - gather (top-k, sign, QSGD; fp16/bf16 on request): every rank's payload travels round a
-  ring allgather; every rank then decompresses all p payloads, in rank order, and sums.
-  Rank r sends every payload except its right neighbour's: (p-1) payloads' worth.
-- ring (fp16, bf16): a ring reduce-scatter whose hops carry encoded partial sums
-  (decode, add my fp32 chunk, re-encode), then a ring allgather of the encoded owned
-  chunks: 2(p-1)/p of the encoded gradient, like an uncompressed ring but half the bytes.
+  ring allgather; every rank then decompresses all p payloads, in rank order, and sums:
+  exactly the sum of what each rank compressed. Rank r sends every payload except its
+  right neighbour's: (p-1) payloads' worth, which grows with p.
+- ring (fp16, bf16; the gather compressors on request): a ring reduce-scatter whose hops
+  carry encoded partial sums (decode, add my fp32 chunk, re-encode), then a ring
+  allgather of the encoded owned chunks: 2(p-1)/p of one payload, at any p. With error
+  feedback each rank keeps what its own encodings dropped, so nothing is lost.
 - linear (random-k with shared indices, PowerSGD): the compressed coordinates add up, so
   they go through a float32 ring allreduce (the compressor's `reduce`).
 Every rank ends with the bitwise-same result: sums are formed once (at a chunk's owner,
@@ -110,11 +112,9 @@ class _Ring:
         return blocks
 
     def allreduce(self, x: np.ndarray, encode, decode) -> np.ndarray:
-        """In-place sum of float32 x over ranks; hops carry encode(chunk) messages and
-        decode(message, count) -> float32 gives them back."""
+        """In-place sum of float32 x over ranks. Hops carry messages encode(lo, x[lo:hi])
+        (lo: where the chunk starts) and decode(message, count) -> float32 reads them."""
         p, r = self.size, self.rank
-        if p == 1:
-            return x
         counts, displs = counts_displs(x.shape[0], p)
 
         def part(c):
@@ -122,12 +122,12 @@ class _Ring:
 
         # 1. reduce-scatter: at hop s send chunk r-s, add the received chunk r-s-1
         for s in range(p - 1):
-            c = (r - s - 1) % p
-            part(c)[...] += decode(self.shift(encode(part((r - s) % p))), counts[c])
+            c, a = (r - s - 1) % p, (r - s) % p
+            part(c)[...] += decode(self.shift(encode(displs[a], part(a))), counts[c])
         # 2. my chunk r+1 now holds the full sum; keep its encoded form, so every rank
         #    ends with the same numbers
         own = (r + 1) % p
-        msg = encode(part(own))
+        msg = encode(displs[own], part(own))
         part(own)[...] = decode(msg, counts[own])
         # 3. allgather the encoded sums: at hop s forward chunk r+1-s, receive chunk r-s
         for s in range(p - 1):
@@ -137,7 +137,7 @@ class _Ring:
         return x
 
 
-def _raw_encode(chunk: np.ndarray) -> np.ndarray:
+def _raw_encode(lo: int, chunk: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(chunk).view(np.uint8)
 
 
@@ -188,8 +188,10 @@ class CompressedAllreduce:
       belongs to one buffer: calls on other buffers (e.g. the buckets of one flat gradient,
       told apart by bucket_key) get their own copy of the compressor, made on first use.
       `ca.compressor` is the first buffer's.
-    algorithm: "auto" (the compressor's own aggregation; gather for fp16/bf16 with error
-      feedback), "gather", "ring", "linear".
+    algorithm: "auto" (the compressor's own aggregation), "gather", "ring" (any compressor
+      that gathers may instead ring its re-encoded partial sums: 2(p-1)/p payloads sent
+      instead of p-1; with error feedback nothing is lost, but the result is no longer
+      exactly the sum of each rank's decompressed payload), "linear".
     warmup_steps: each buffer's first calls run an uncompressed float32 ring allreduce.
     nonfinite: "raise" or "skip" when any rank's gradient holds inf/NaN.
     After a call: bytes_sent (that call), total_bytes_sent, step (calls), skipped_steps,
@@ -205,16 +207,11 @@ class CompressedAllreduce:
             raise ValueError(f"algorithm must be one of {', '.join(_ALGORITHMS)}, "
                              f"got {algorithm!r}")
         agg = compressor.aggregation
-        if algorithm == "auto":
-            # error feedback needs each rank's own compression: gather, not a ring
-            algorithm = "gather" if agg == "ring" and compressor.error_feedback else agg
-        if algorithm != agg and not (algorithm == "gather" and agg == "ring"):
+        algorithm = agg if algorithm == "auto" else algorithm
+        if algorithm != agg and not (algorithm == "ring" and agg == "gather") and \
+                not (algorithm == "gather" and agg == "ring"):
             raise ValueError(f"compressor {compressor.name!r} aggregates by {agg!r}; "
                              f"algorithm {algorithm!r} does not apply (use 'auto')")
-        if algorithm == "ring" and compressor.error_feedback:
-            raise ValueError(f"{compressor.name!r} with error feedback needs "
-                             f"algorithm='gather' (a ring re-quantizes partial sums, which "
-                             f"no single rank's residual can account for)")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
                 or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
@@ -350,22 +347,30 @@ class CompressedAllreduce:
         return out
 
     def _ring(self, ring: _Ring, c: Compressor, x):
-        """Ring reduce-scatter and allgather on encoded chunks (fp16 / bf16)."""
-        host = to_numpy(x).copy()
-        dtypes = [a.dtype for a in c.encode(host[:0], None)[0]]
+        """Ring reduce-scatter and allgather on encoded chunks, re-encoding partial sums.
 
-        def encode(chunk):
-            return pack(c.encode(np.ascontiguousarray(chunk), None)[0])
+        With error feedback every encoding's loss (data - decode(message)) is kept by the
+        rank that encoded, at those positions: summed over ranks, residuals plus the result
+        equal the sum of the inputs, as with a gather."""
+        host = np.array(to_numpy(c._begin(x, None)), dtype=np.float32)   # + residual
+        err = np.zeros_like(host) if c.error_feedback else None
+        dtypes = [a.dtype for a in c.encode(host[:0], None)[0]]
 
         def decode(msg, count):
             return c.decompress(unpack(msg, dtypes), {"n": count})
 
-        if ring.size == 1:
-            host = decode(encode(host), host.shape[0])
-        else:
-            ring.allreduce(host, encode, decode)
+        def encode(lo, data):
+            msg = pack(c.encode(np.ascontiguousarray(data), None)[0])
+            if err is not None:
+                err[lo:lo + data.shape[0]] += data - decode(msg, data.shape[0])
+            return msg
+
+        ring.allreduce(host, encode, decode)
+        xp = get_array_module(x)
+        if err is not None:
+            c.residual = xp.asarray(err)
         c.step += 1
-        return get_array_module(x).asarray(host)
+        return xp.asarray(host)
 
     def _linear(self, ring: _Ring, c: Compressor, x, layout):
         """The compressor's own reduce, its sums done by the float32 ring."""

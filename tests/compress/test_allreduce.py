@@ -16,6 +16,10 @@ CONFIGS = [("topk", {"ratio": 0.03}), ("topk", {"ratio": 0.03, "method": "sample
            ("sign", {"chunk": 32}), ("qsgd", {"levels": 7, "bucket": 64}),
            ("randomk", {"ratio": 0.05}), ("powersgd", {"rank": 2}),
            ("fp16", {"error_feedback": True})]
+RING_CONFIGS = [("sign", {"chunk": 32}),
+                ("qsgd", {"levels": 3, "bucket": 64, "error_feedback": True}),
+                ("topk", {"ratio": 0.05}), ("fp16", {"error_feedback": True}),
+                ("bf16", {"error_feedback": True})]
 
 
 def rank_grad(r, step, n=LAYOUT.numel):
@@ -59,7 +63,8 @@ class PowerSGDReference:
 @pytest.mark.parametrize("name,opts", CONFIGS)
 def test_equals_decompress_then_sum_reference(comm, name, opts):
     p = comm.size
-    ca = CompressedAllreduce(make_compressor(name, **opts), comm)
+    ca = CompressedAllreduce(make_compressor(name, **opts), comm, algorithm=(
+        "gather" if name == "fp16" else "auto"))
     refs = [make_compressor(name, **opts) for _ in range(p)]
     for r, c in enumerate(refs):
         c.stream = r
@@ -113,6 +118,26 @@ def test_ring_on_half_precision_chunks(comm, name):
     messages = 2 * (p - 1)
     half = ring_allreduce_bytes(n, p, comm.rank, itemsize=2)
     assert half <= ca.bytes_sent <= half + messages * (16 + 8 + 8)
+
+
+@pytest.mark.parametrize("name,opts", RING_CONFIGS)
+def test_ring_with_error_feedback_loses_nothing(comm, name, opts):
+    """Re-encoded partial sums: sum over ranks of the residuals plus p times the running
+    sum of results equals the running sum of all ranks' gradients."""
+    p, n = comm.size, 4001
+    ca = CompressedAllreduce(make_compressor(name, **opts), comm, algorithm="ring")
+    applied = np.zeros(n)
+    for step in range(3):
+        out = ca(rank_grad(comm.rank, step, n))
+        assert all_same(comm, out)
+        applied += out
+    true = sum(rank_grad(r, t, n).astype(np.float64) for r in range(p) for t in range(3))
+    residuals = comm.comm.allreduce(ca.compressor.residual.astype(np.float64))
+    assert np.allclose(residuals + p * applied, true, rtol=0, atol=1e-4 * np.abs(true).max())
+    # one payload's 2(p-1)/p: each message a chunk's payload, its header and padding
+    one = make_compressor(name, **opts)
+    msg = max(pack(one.encode(np.ones(-(-n // p), np.float32), None)[0]).nbytes, 0)
+    assert ca.bytes_sent <= 2 * (p - 1) * msg
 
 
 def test_warmup_runs_the_dense_ring(comm):
@@ -213,10 +238,11 @@ def test_bad_options_rejected(comm):
     with pytest.raises(TypeError, match="make_compressor"):
         CompressedAllreduce("topk", comm)
     with pytest.raises(ValueError, match="aggregates by"):
-        CompressedAllreduce(make_compressor("topk"), comm, algorithm="ring")
-    with pytest.raises(ValueError, match="gather"):
-        CompressedAllreduce(make_compressor("fp16", error_feedback=True), comm,
-                            algorithm="ring")
+        CompressedAllreduce(make_compressor("topk"), comm, algorithm="linear")
+    with pytest.raises(ValueError, match="aggregates by"):
+        CompressedAllreduce(make_compressor("powersgd"), comm, algorithm="ring")
+    with pytest.raises(ValueError, match="algorithm must be"):
+        CompressedAllreduce(make_compressor("sign"), comm, algorithm="tree")
     with pytest.raises(ValueError, match="warmup_steps"):
         CompressedAllreduce(make_compressor("sign"), comm, warmup_steps=-1)
     with pytest.raises(ValueError, match="nonfinite"):
