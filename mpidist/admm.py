@@ -187,3 +187,105 @@ def consensus_admm(problem, *, comm=None, rho: float = 1.0, max_iter: int = 2000
     loss = allreduce(np.array([problem.objective(z)]), op="sum", algorithm=algorithm, comm=c)
     return ADMMResult(z=z, iterations=it, converged=converged,
                       objective=float(loss[0]) + problem.regularizer(z), history=history)
+
+
+class ADMMStrategy(Strategy):
+    """[parallel] strategy = "admm": rho (and algorithm, the allreduce used for z).
+
+    Every rank keeps its own x_i (the model's parameters), u_i and optimizer; the consensus
+    z is what `evaluate` and `state_dict` use. One train_step is one ADMM iteration with an
+    inexact x-update: one optimizer step on the rank's mini-batch mean loss plus
+    rho/2 ||x - z + u_i||^2. A checkpoint holds z and rho; x_i restarts from z, u_i from 0.
+    """
+    name = "admm"
+    mu, tau, adapt_iters = 10.0, 2.0, 200
+
+    def __init__(self, config: dict, comm, meta: dict):
+        super().__init__(config, comm, meta)
+        from mpidist.nn import SoftmaxCrossEntropy, materialize
+
+        if meta.get("kind") == "lm":
+            raise ConfigError("strategy 'admm' trains classification models (mlp, cnn), not gpt")
+        self.model = build_model_from_config(config, meta)
+        self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32,
+                                                           seed=config["job"]["seed"])
+        self.optimizer = build_optimizer_from_config(config, self.layout)
+        self.rho = float(config["parallel"]["rho"])
+        self.algorithm = config["parallel"]["algorithm"]
+        self.z = self.params.data.copy()
+        self.u = np.zeros_like(self.z)
+        self._z_prev = np.empty_like(self.z)
+        self.loss = SoftmaxCrossEntropy()
+
+    def train_step(self, x, y, global_count: int | None = None) -> dict:
+        N, w = self.comm.size, self.params.data
+        rows = 0 if x is None else len(x)
+        t0 = time.perf_counter()
+        # 1. x-update: one optimizer step on f_i(x) + rho/2 ||x - z + u_i||^2
+        self.grads.data[...] = 0
+        loss_sum = correct = 0.0
+        if rows:
+            loss_sum, correct = self.loss.forward(self.model.forward(x, train=True), y)
+            self.model.backward(self.loss.backward(1.0 / rows))
+        self.grads.data += self.rho * (w - self.z + self.u)
+        t1 = time.perf_counter()
+        info = self.optimizer.step(w, self.grads.data)
+        t2 = time.perf_counter()
+        # 2. z-update: mean of x_i + u_i (g = 0)
+        self._z_prev[...] = self.z
+        self.z[...] = allreduce(w + self.u, op="sum", algorithm=self.algorithm, comm=self.comm) / N
+        # 3. dual update
+        self.u += w - self.z
+        # 4. residuals, with the step's loss statistics in the same allreduce
+        d = (w - self.z).astype(np.float64)
+        sums = allreduce(np.array([d @ d, loss_sum, correct, rows], np.float64), op="sum",
+                         algorithm=self.algorithm, comm=self.comm)
+        r = float(np.sqrt(sums[0]))
+        s = self.rho * np.sqrt(N) * float(np.linalg.norm((self.z - self._z_prev).astype(np.float64)))
+        # 5. residual balancing while the run is young
+        rho = self.rho
+        if self.step < self.adapt_iters:
+            if r > self.mu * s:
+                self.rho *= self.tau
+                self.u /= self.tau
+            elif s > self.mu * r:
+                self.rho /= self.tau
+                self.u *= self.tau
+        t3 = time.perf_counter()
+        self.step += 1
+        count = int(sums[3])
+        return {"loss": float(sums[1]) / max(count, 1), "correct": int(sums[2]), "count": count,
+                "t_compute": t1 - t0, "t_comm": t3 - t2, "t_optim": t2 - t1,
+                "lr": info.lr, "rho": rho, "primal_residual": r, "dual_residual": s}
+
+    def evaluate(self, x, y) -> dict:
+        """Loss and accuracy of the consensus z (summed over ranks)."""
+        loss_sum = correct = 0.0
+        count = 0 if x is None else len(x)
+        if count:
+            saved = self.params.data.copy()
+            self.params.data[...] = self.z
+            try:
+                loss_sum, correct = self.loss.forward(self.model.forward(x, train=False), y)
+            finally:
+                self.params.data[...] = saved
+        totals = self.comm.comm.allreduce(np.array([loss_sum, correct, count], np.float64))
+        return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
+
+    def state_dict(self) -> StateDict:
+        tensors = replicated_pieces("params", self.layout, self.z, self.comm.rank, self.comm.size)
+        return StateDict(self.step, tensors, {"rho": self.rho})
+
+    def load_state_dict(self, source) -> None:
+        read_flat(source, "params", self.layout, self.z)
+        self.params.data[...] = self.z
+        self.u[...] = 0
+        self.rho = float(source.scalars.get("rho", self.rho))
+        self.step = int(source.step)
+
+    def memory_report(self) -> dict:
+        optim = sum(int(b.nbytes) for b in self.optimizer.state_buffers().values())
+        rep = {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes),
+               "optim": optim + int(self.z.nbytes + self.u.nbytes + self._z_prev.nbytes)}
+        rep["total"] = sum(rep.values())
+        return rep

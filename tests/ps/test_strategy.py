@@ -1,0 +1,88 @@
+"""The job strategies: 'ps' (BSP equals data parallel through the whole engine; the digits
+jobs reach their target, ASP beats BSP with a straggler) and 'admm' (consensus z)."""
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from mpidist import launcher
+from mpidist.engine.config import validate
+from mpidist.engine.loop import run
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _config(comm, tmp, name, parallel, steps=6, optim=None):
+    raw = {"job": {"name": name, "steps": steps, "progress": False, "plot": False,
+                   "out_dir": os.path.join(tmp, name)},
+           "model": {"name": "mlp", "hidden": [32]},
+           "data": {"dataset": "digits", "batch_size": 60, "cache_dir": tmp},
+           "optim": optim or {"name": "sgd", "lr": 0.2},
+           "parallel": parallel}
+    return validate(raw, name=name, world_size=comm.size)
+
+
+@pytest.fixture
+def shared_tmp(comm):
+    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-ps-") if comm.rank == 0 else None)
+    yield path
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ps_bsp_trains_like_data_parallel(comm, shared_tmp):
+    dp = run(_config(comm, shared_tmp, "dp", {"strategy": "dp"}), comm)
+    ps = run(_config(comm, shared_tmp, "ps", {"strategy": "ps", "consistency": "bsp"}), comm)
+    assert ps["steps"] == dp["steps"] == 6
+    assert abs(ps["test_loss"] - dp["test_loss"]) < 1e-5
+    assert ps["test_accuracy"] == dp["test_accuracy"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ps_ssp_and_asp_runs_agree_on_every_rank(comm, shared_tmp):
+    for consistency in ("asp", "ssp"):
+        extra = {"staleness": 1} if consistency == "ssp" else {}
+        cfg = _config(comm, shared_tmp, consistency, {"strategy": "ps", "consistency": consistency,
+                                                      "servers": 1, **extra}, steps=8)
+        summary = run(cfg, comm)
+        comm.check_same((summary["test_loss"], summary["steps"]), "final evaluation")
+        assert summary["steps"] >= 8 and summary["test_loss"] < 2.3
+
+
+def test_admm_strategy_reaches_consensus(comm, shared_tmp):
+    summary = run(_config(comm, shared_tmp, "admm", {"strategy": "admm", "rho": 1.0}, steps=30), comm)
+    comm.check_same(summary["test_loss"], "ADMM test loss")
+    assert summary["test_accuracy"] > 0.6                # 30 steps from chance (0.1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ps_strategy_rejects_checkpoints(comm, shared_tmp):
+    from mpidist.errors import ConfigError
+    from mpidist.ps.strategy import ParameterServerStrategy
+    meta = {"kind": "classification", "in_shape": (64,), "classes": 10}
+    cfg = _config(comm, shared_tmp, "bad", {"strategy": "ps"})
+    cfg["checkpoint"]["interval"] = 5
+    cfg["job"]["total_steps"] = 6
+    with pytest.raises(ConfigError, match="checkpoint"):
+        ParameterServerStrategy(cfg, comm, meta)
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(400)
+def test_digits_jobs_reach_target_and_asp_beats_bsp_with_a_straggler(tmp_path):
+    """jobs/digits_ps_{bsp,asp,ssp}.toml on 4 ranks (1 server, 3 workers, a 10 ms straggler)."""
+    seconds = {}
+    for model in ("bsp", "asp", "ssp"):
+        out = tmp_path / model
+        job = os.path.abspath(os.path.join(ROOT, "jobs", f"digits_ps_{model}.toml"))
+        proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", job, "--set", "job.epochs=10",
+                                "--set", f"job.out_dir='{out}'", "--set", "job.progress=false",
+                                "--set", "job.plot=false", "--set", f"data.cache_dir='{tmp_path}'"],
+                            timeout=120, capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["test_accuracy"] >= 0.93, (model, summary)
+        seconds[model] = summary["train_seconds"]
+    assert seconds["asp"] < seconds["bsp"], seconds
