@@ -1,0 +1,102 @@
+"""The alpha-beta-gamma cost model, its cache, and auto-selection."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from mpidist.collectives import allreduce, costmodel, select
+from mpidist.collectives.costmodel import CostModel, coefficients
+
+
+def test_coefficients_follow_the_algorithms():
+    assert coefficients("ring", 4) == (6, 1.5, 0.75)
+    assert coefficients("recursive_doubling", 4) == (2, 2, 2)
+    assert coefficients("recursive_doubling", 5) == (4, 4, 3)          # folded: 2 extra steps
+    assert coefficients("rabenseifner", 8) == (6, 1.75, 0.875)
+    assert coefficients("ring", 1) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="no cost formula"):
+        coefficients("bogus", 4)
+
+
+def test_fit_recovers_alpha_and_beta():
+    p, alpha, beta, gamma = 4, 20e-6, 0.5e-9, 0.1e-9
+    sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
+    a, b, g = coefficients("ring", p)
+    times = [a * alpha + b * n * beta + g * n * gamma for n in sizes]
+    fa, fb = costmodel._fit("ring", p, gamma, sizes, times)
+    assert math.isclose(fa, alpha, rel_tol=1e-6) and math.isclose(fb, beta, rel_tol=1e-6)
+
+
+def _model(p=4, nodes=1, per_node=1):
+    fits = {"ring": [50e-6, 0.4e-9], "tree": [30e-6, 0.5e-9], "dbtree": [60e-6, 0.6e-9],
+            "recursive_doubling": [2e-6, 0.6e-9], "rabenseifner": [15e-6, 0.5e-9],
+            "native": [40e-6, 2.0e-9]}
+    levels = {"world": {"p": p, "gamma": 0.1e-9, "fits": fits, "samples": {}}}
+    if nodes > 1:
+        levels["intra"] = {"p": per_node, "gamma": 0.1e-9, "fits": {"ring": [5e-6, 0.1e-9]}}
+        levels["inter"] = {"p": nodes, "gamma": 0.1e-9, "fits": {"ring": [500e-6, 5e-9]}}
+    return CostModel(levels, nodes, per_node)
+
+
+def test_choice_follows_predictions():
+    m = _model()
+    assert m.choose(64) == "recursive_doubling"       # latency-bound
+    assert m.choose(256 << 20) == "ring"               # bandwidth-bound
+    assert "hierarchical" not in m.candidates()
+    for n in (64, 1 << 20, 256 << 20):
+        assert m.predict(m.choose(n), n) == min(m.predict(a, n) for a in m.candidates())
+    h = _model(p=8, nodes=2, per_node=4)
+    assert "hierarchical" in h.candidates()
+    n = 64 << 20
+    expect = (coefficients("ring", 4)[0] * 5e-6 + n * (1.5 * 0.1e-9 + 0.75 * 0.1e-9)
+              + coefficients("ring", 2)[0] * 500e-6 + n / 4 * (1 * 5e-9 + 0.5 * 0.1e-9))
+    assert math.isclose(h.predict("hierarchical", n), expect)
+    assert CostModel.from_json(json.loads(json.dumps(h.to_json()))).choose(n) == h.choose(n)
+
+
+def test_probe_agrees_on_every_rank(comm):
+    m = costmodel.probe(comm, sizes=(1 << 10, 16 << 10), reps=1)
+    texts = comm.comm.allgather(json.dumps(m.to_json(), sort_keys=True))
+    assert len(set(texts)) == 1
+    if comm.size > 1:
+        fits = m.levels["world"]["fits"]
+        assert set(fits) == set(costmodel.FLAT) and all(a >= 0 and b >= 0 for a, b in fits.values())
+        assert m.choose(1 << 10) in m.candidates()
+
+
+@pytest.fixture
+def cached_model(comm, tmp_path, monkeypatch):
+    """A synthetic model written where get_model looks (rank 0's temporary directory)."""
+    root = comm.comm.bcast(str(tmp_path), root=0)
+    monkeypatch.setenv("MPIDIST_CACHE_DIR", root)
+    path = costmodel.cache_path(comm)
+    model = _model(p=comm.size)
+    if comm.rank == 0:
+        costmodel._write(path, model.to_json())
+    comm.comm.Barrier()
+    return path, model
+
+
+def test_get_model_reads_the_cache_and_auto_uses_it(comm, cached_model):
+    path, model = cached_model
+    got = costmodel.get_model(comm)
+    assert got.to_json() == model.to_json()
+    assert select.choose(comm, 64) == ("recursive_doubling" if comm.size > 1 else "native")
+    x = np.arange(100, dtype=np.float32)
+    assert np.array_equal(allreduce(x, comm=comm), np.arange(100) * comm.size)
+    if comm.rank == 0:
+        assert os.path.exists(path)
+
+
+def test_explain_rows(comm, cached_model):
+    rows = select.explain([4096], comm, reps=1)
+    names = [r["algorithm"] for r in rows]
+    assert names == (_model().candidates() if comm.size > 1 else ["native"])
+    assert sum(r["chosen"] for r in rows) == 1 and all(r["measured"] > 0 for r in rows)
+
+
+def test_parse_size():
+    assert [select.parse_size(s) for s in ("512", "4K", "64KiB", "1M", "2G", "1.5K")] == \
+        [512, 4096, 65536, 1 << 20, 2 << 30, 1536]

@@ -1,0 +1,62 @@
+"""End-to-end runs under their own mpiexec: the benchmark and explain CLIs, and the
+hierarchical algorithm on 2 simulated nodes x 3 ranks (6 ranks)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpidist.launcher import mpi_env, mpiexec_argv
+
+SIX = """
+import hashlib
+import numpy as np
+from mpidist.comm import Communicator
+from mpidist.collectives import allreduce
+c = Communicator(ranks_per_node=3)
+assert (c.num_nodes, c.local_size) == (2, 3)
+bad = 0
+for n in (1, 5, 6, 7, 1000, 4099):
+    for op in ("sum", "avg", "max"):
+        x = np.random.default_rng([c.rank, n]).integers(-9, 9, n).astype(np.float64)
+        ref = allreduce(x, op=op, algorithm="native", comm=c, out=np.empty_like(x))
+        got = allreduce(x, op=op, algorithm="hierarchical", comm=c, out=np.empty_like(x))
+        bad += not np.array_equal(got, ref)
+hashes = c.comm.allgather(hashlib.sha256(got.tobytes()).hexdigest())
+assert bad == 0 and len(set(hashes)) == 1, (bad, hashes)
+if c.rank == 0:
+    print("HIER-2x3-OK")
+"""
+
+
+def _run(n, argv, tmp_path, extra_env=None):
+    env = mpi_env(n)
+    env["MPIDIST_CACHE_DIR"] = str(tmp_path / "cache")
+    env.update(extra_env or {})
+    return subprocess.run(mpiexec_argv(n, argv), env=env, capture_output=True, text=True,
+                          timeout=240, cwd=tmp_path)
+
+
+@pytest.mark.launcher
+def test_hierarchical_two_nodes_of_three(tmp_path):
+    res = _run(6, [sys.executable, "-c", SIX], tmp_path)
+    assert res.returncode == 0 and "HIER-2x3-OK" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.launcher
+def test_bench_and_explain_cli(tmp_path):
+    out = tmp_path / "bench"
+    res = _run(2, [sys.executable, "-m", "mpidist", "bench", "allreduce", "--sizes", "8,64K",
+                   "--algorithms", "native,textbook,ring,auto", "--reps", "2",
+                   "--seconds", "0.05", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "busbw GB/s" in res.stdout and "auto [" in res.stdout and "summary:" in res.stdout
+    data = json.loads((out / "allreduce.json").read_text())
+    assert len(data["rows"]) == 8 and all(r["ok"] for r in data["rows"])
+    assert (out / "allreduce.png").stat().st_size > 0 and (out / "allreduce.csv").exists()
+    res = _run(2, [sys.executable, "-m", "mpidist", "explain", "--sizes", "4K", "--reps", "1"],
+               tmp_path)
+    assert res.returncode == 0 and "predicted ms" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("<-") == 1
+    assert os.listdir(tmp_path / "cache")
