@@ -26,7 +26,17 @@ def _open(path: str, comm):
     return h5py.File(path, "r", driver="mpio", comm=comm.comm)
 
 
-class ArrayDataset:
+class _Closing:
+    """Datasets are context managers: closing a parallel HDF5 file is collective."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ArrayDataset(_Closing):
     """In-memory arrays with the dataset interface (synthetic benchmarks, tests)."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, meta: dict):
@@ -42,7 +52,7 @@ class ArrayDataset:
         pass
 
 
-class H5Dataset:
+class H5Dataset(_Closing):
     """One split ("train" / "test") of a classification HDF5 file."""
 
     def __init__(self, path: str, split: str = "train", comm=None):
@@ -70,7 +80,7 @@ class H5Dataset:
         self.file.close()
 
 
-class H5TextDataset:
+class H5TextDataset(_Closing):
     """Byte-level LM samples: sample i is tokens[i*block : i*block + block + 1] (inputs, next bytes)."""
 
     def __init__(self, path: str, split: str = "train", block: int = 64, comm=None):
