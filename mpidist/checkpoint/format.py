@@ -18,8 +18,8 @@ import numpy as np
 from mpidist.checkpoint.crc import crc32
 from mpidist.checkpoint.plan import flat_boxes
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "TENSORS", "CheckpointError", "CorruptCheckpointError",
-           "IncompatibleCheckpointError", "storage_dtype", "logical_dtype", "check_key",
+__all__ = ["agree", "FORMAT", "FORMAT_VERSION", "TENSORS", "CheckpointError",
+           "CorruptCheckpointError", "IncompatibleCheckpointError", "storage_dtype", "logical_dtype", "check_key",
            "meta_checksum", "select_flat", "META_ATTRS"]
 
 FORMAT = "mpidist-checkpoint"
@@ -40,6 +40,19 @@ class CorruptCheckpointError(CheckpointError):
 
 class IncompatibleCheckpointError(ValueError):
     """A checkpoint does not fit the model (tensors missing or of another shape)."""
+
+
+def agree(comm, exc: BaseException | None) -> None:
+    """Collective: if any rank failed, raise on every rank: the failing ranks their own
+    exception, the others a CheckpointError carrying the failing ranks' messages (so code
+    that catches CheckpointError behaves the same everywhere)."""
+    msg = None if exc is None else f"{type(exc).__name__}: {exc}"
+    bad = [(r, m) for r, m in enumerate(comm.comm.allgather(msg)) if m is not None]
+    if not bad:
+        return
+    if exc is not None:
+        raise exc
+    raise CheckpointError("; ".join(f"rank {r}: {m}" for r, m in bad))
 
 
 def storage_dtype(dtype: np.dtype) -> np.dtype:

@@ -104,7 +104,7 @@ class CheckpointReader:
             self._file = h5py.File(self.path, "r", driver="mpio", comm=c.comm)
         except Exception as exc:  # noqa: BLE001
             err = exc
-        c.raise_if_any(err)
+        fmt.agree(c, err)
         if verify:
             try:
                 self.verify()
@@ -173,7 +173,7 @@ class CheckpointReader:
                 mine.append((key, offset, count, value))
         except Exception as exc:  # noqa: BLE001
             err = exc
-        c.raise_if_any(err if err is None else fmt.CorruptCheckpointError(
+        fmt.agree(c, err if err is None else fmt.CorruptCheckpointError(
             f"{self.path}: reading tensor data failed: {type(err).__name__}: {err}"))
         pieces: dict = {k: [] for k in keys}
         for rows in c.comm.allgather(mine):

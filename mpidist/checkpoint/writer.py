@@ -59,7 +59,7 @@ def write_checkpoint(path: str, tensors, *, step: int, scalars: dict | None = No
                     socket.gethostname())
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
         err, rank_json, head = exc, None, None
-    c.raise_if_any(err)
+    fmt.agree(c, err)
 
     # 2. exchange what every rank holds; plan who writes which elements
     specs = c.comm.allgather({k: (p[0], p[1].name, p[2], p[3].size) for k, p in local.items()})
@@ -86,9 +86,10 @@ def write_checkpoint(path: str, tensors, *, step: int, scalars: dict | None = No
                     f"not enough disk space in {directory}: checkpoint needs {need / 2**30:.2f} GiB, "
                     f"{free / 2**30:.2f} GiB free; free space or point the checkpoint directory "
                     f"elsewhere (the previous checkpoint is untouched)")
+            _reserve_probe(os.path.join(directory, f".{os.path.basename(path)}.reserve"), need)
         except Exception as exc:  # noqa: BLE001
             err = exc
-    c.raise_if_any(err)
+    fmt.agree(c, err)
 
     # 4. write the temporary file collectively, then rename it into place
     try:
@@ -100,7 +101,7 @@ def write_checkpoint(path: str, tensors, *, step: int, scalars: dict | None = No
                 _fsync(tmp)
         except OSError as exc:
             err = exc
-        c.raise_if_any(err)
+        fmt.agree(c, err)
         if c.rank == 0:
             try:
                 os.replace(tmp, path)
@@ -108,7 +109,7 @@ def write_checkpoint(path: str, tensors, *, step: int, scalars: dict | None = No
                     _fsync(directory)
             except OSError as exc:
                 err = exc
-        c.raise_if_any(err)
+        fmt.agree(c, err)
     except BaseException:
         if c.rank == 0 and os.path.exists(tmp):
             os.remove(tmp)
@@ -183,7 +184,7 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
         f = h5py.File(tmp, "w", driver="mpio", comm=c.comm, libver="latest")
     except Exception as exc:  # noqa: BLE001
         err = exc
-    c.raise_if_any(err)
+    fmt.agree(c, err)
     try:
         group = f.create_group(fmt.TENSORS)
         dsets = {}
@@ -193,12 +194,14 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
                                               fill_time="never")
         my_crcs = []
         for key, t in table.items():
+            if prod(t["shape"]) == 0:             # no storage to write (same on all ranks)
+                continue
             err = None
             try:
                 my_crcs += _write_tensor(dsets[key], key, t, local.get(key), c.rank, dxpl)
             except Exception as exc:  # noqa: BLE001
                 err = exc
-            c.raise_if_any(err)
+            fmt.agree(c, err)
         crcs = _combine(c.comm.allgather(my_crcs), table)
         _set_attrs(f, dsets, table, crcs, c.size, step=step, head=head, rank_jsons=rank_jsons)
         f.flush()
@@ -208,7 +211,7 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
             f.close()
         except Exception as exc:  # noqa: BLE001
             err = exc
-    c.raise_if_any(err)
+    fmt.agree(c, err)
 
 
 def _write_tensor(dset, key, t, held, rank, dxpl):
@@ -271,6 +274,23 @@ def _set_attrs(f, dsets, table, crcs, world_size, *, step, head, rank_jsons):
     a["rank_meta"] = fmt.to_json([json.loads(s) for s in rank_jsons])
     a["tensors"] = fmt.to_json(sorted(table))
     a["meta_crc32"] = np.uint32(fmt.meta_checksum(a))
+
+
+def _reserve_probe(probe: str, nbytes: int) -> None:
+    """Allocate nbytes in a scratch file, then free them: quotas, file-size limits and a disk
+    that statvfs reports roomier than it is fail here, before HDF5 has touched anything
+    (a parallel HDF5 write that fails half-way cannot always close its file cleanly)."""
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        raise fmt.CheckpointError(
+            f"cannot reserve {nbytes / 2**30:.2f} GiB for the checkpoint in "
+            f"{os.path.dirname(probe)}: {exc.strerror or exc}; free space or raise the quota "
+            f"(the previous checkpoint is untouched)") from None
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def _fsync(path: str) -> None:

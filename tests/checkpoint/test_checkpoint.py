@@ -1,0 +1,209 @@
+"""Checkpoint write / read on the ranks of this run (any N): round trips of replicated,
+sharded and single-owner tensors, resharding on read, verification and fallback, refusal
+of incompatible checkpoints, full disks, and the preemption flag."""
+import os
+import resource
+import shutil
+import signal
+import tempfile
+
+import h5py
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mpidist.checkpoint import (CheckpointError, CheckpointManager, CorruptCheckpointError,
+                                IncompatibleCheckpointError, Preemption, inspect_checkpoint,
+                                open_checkpoint, write_checkpoint)
+from mpidist.checkpoint import writer as writer_module
+from mpidist.partition import chunk
+
+
+class Piece:
+    def __init__(self, shape, offset, data):
+        self.shape, self.offset, self.data = shape, offset, data
+
+
+@pytest.fixture
+def shared_dir(comm):
+    path = tempfile.mkdtemp(prefix="mpidist-ckpt-") if comm.rank == 0 else None
+    path = comm.comm.bcast(path, root=0)
+    yield path
+    comm.comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def global_tensors(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "params/fc1.weight": rng.standard_normal((13, 7)).astype(np.float32),
+        "params/fc1.bias": rng.standard_normal(7).astype(np.float16),
+        "optim/exp_avg/fc1.weight": rng.standard_normal((13, 7)),
+        "master/bf16": rng.standard_normal((5, 3)).astype(ml_dtypes.bfloat16),
+        "ps/clock": np.array(42, dtype=np.int64),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+
+
+def my_pieces(full, rank, size):
+    """Replicated, ZeRO-sharded (reversed ranks: uneven, out of order) and rank-0-only tensors."""
+    out = {"params/fc1.weight": full["params/fc1.weight"], "empty": full["empty"]}
+    for key in ("params/fc1.bias", "optim/exp_avg/fc1.weight", "master/bf16"):
+        t = full[key]
+        o, c = chunk(t.size, size - 1 - rank, size)
+        out[key] = Piece(t.shape, o, t.reshape(-1)[o:o + c])
+    if rank == 0:
+        out["ps/clock"] = full["ps/clock"]
+    return out
+
+
+def test_round_trip_and_reshard(comm, shared_dir):
+    full = global_tensors()
+    path = os.path.join(shared_dir, "a.h5")
+    write_checkpoint(path, my_pieces(full, comm.rank, comm.size), step=11,
+                     scalars={"epoch": 2, "loader": [3, 5]}, meta={"config": {"lr": 0.1}},
+                     rank_meta={"rank": comm.rank}, comm=comm)
+    with open_checkpoint(path, comm=comm) as src:
+        assert src.step == 11 and src.epoch == 2 and src.world_size == comm.size
+        assert src.scalars == {"epoch": 2, "loader": [3, 5]}
+        assert src.meta == {"config": {"lr": 0.1}}
+        assert src.rank_meta == [{"rank": r} for r in range(comm.size)]
+        assert sorted(src.keys()) == sorted(full)
+        for key, t in full.items():
+            got = src.read_full(key)
+            assert got.dtype == t.dtype and got.shape == t.shape, key
+            assert got.tobytes() == t.tobytes(), key
+            offset, part = src.read_chunk(key)           # resharded for this world
+            o, c = chunk(t.size, comm.rank, comm.size)
+            assert offset == o and np.array_equal(part, t.reshape(-1)[o:o + c]), key
+        assert np.array_equal(src.read("optim/exp_avg/fc1.weight", 20, 9),
+                              full["optim/exp_avg/fc1.weight"].reshape(-1)[20:29])
+    # self-describing: a plain, single-process h5py sees every tensor and the layout
+    if comm.rank == 0:
+        with h5py.File(path, "r") as f:
+            assert np.array_equal(f["tensors/params/fc1.weight"][...], full["params/fc1.weight"])
+            layout = f["tensors/optim/exp_avg/fc1.weight"].attrs["layout"]
+            assert sorted(layout[:, 0]) == list(range(comm.size)) and layout[:, 2].sum() == 91
+    assert not any(name.endswith(".tmp") for name in os.listdir(shared_dir))
+
+
+def test_independent_io_gives_the_same_file_content(comm, shared_dir):
+    full = global_tensors(1)
+    paths = [os.path.join(shared_dir, f"{m}.h5") for m in ("coll", "ind")]
+    for path, collective in zip(paths, (True, False)):
+        write_checkpoint(path, my_pieces(full, comm.rank, comm.size), step=1, comm=comm,
+                         collective=collective)
+    a, b = (inspect_checkpoint(p)["tensors"] for p in paths)
+    assert {k: v["crc32"] for k, v in a.items()} == {k: v["crc32"] for k, v in b.items()}
+
+
+def test_manager_keeps_last_k_and_falls_back_over_damaged_files(comm, shared_dir):
+    mgr = CheckpointManager(shared_dir, keep=3, comm=comm)
+    assert mgr.open_latest() is None
+    full = global_tensors(2)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, my_pieces(full, comm.rank, comm.size), scalars={"epoch": step})
+    assert mgr.steps() == [2, 3, 4]
+    mgr.save(5, my_pieces(full, comm.rank, comm.size))
+    assert mgr.steps() == [3, 4, 5]
+    # a flipped byte in step 4's data and a truncated step 5: both reported, step 3 used
+    if comm.rank == 0:
+        with h5py.File(mgr.path(4), "r") as f:
+            where = f["tensors/optim/exp_avg/fc1.weight"].id.get_offset() + 17
+        with open(mgr.path(4), "r+b") as fh:
+            fh.seek(where)
+            byte = fh.read(1)
+            fh.seek(where)
+            fh.write(bytes([byte[0] ^ 0x10]))
+        size = os.path.getsize(mgr.path(5))
+        with open(mgr.path(5), "r+b") as fh:
+            fh.truncate(size // 2)
+    comm.comm.Barrier()
+    with pytest.warns(RuntimeWarning) if comm.rank == 0 else _nothing():
+        src = mgr.open_latest()
+    with src:
+        assert src.step == 3
+        assert np.array_equal(src.read_full("master/bf16"), full["master/bf16"])
+    reasons = dict(mgr.skipped)
+    assert "checksum mismatch" in reasons[mgr.path(4)]
+    assert "optim/exp_avg/fc1.weight" in reasons[mgr.path(4)]
+    assert mgr.path(5) in reasons
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        open_checkpoint(mgr.path(4), comm=comm)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_incompatible_checkpoint_is_refused_naming_tensors(comm, shared_dir):
+    path = os.path.join(shared_dir, "m.h5")
+    write_checkpoint(path, my_pieces(global_tensors(), comm.rank, comm.size), step=1, comm=comm)
+    with open_checkpoint(path, comm=comm) as src:
+        with pytest.raises(IncompatibleCheckpointError) as info:
+            src.require({"params/fc1.weight": (13, 8), "params/fc1.bias": (7,),
+                         "params/fc2.weight": (3, 3)})
+        assert "params/fc1.weight (checkpoint (13, 7), expected (13, 8))" in str(info.value)
+        assert "params/fc2.weight" in str(info.value) and "fc1.bias" not in str(info.value)
+
+
+def test_bad_input_fails_on_every_rank(comm, shared_dir):
+    path = os.path.join(shared_dir, "bad.h5")
+    # holders disagree on the shape of one tensor
+    shape = (4, 4) if comm.rank == comm.size - 1 and comm.size > 1 else (16,)
+    with pytest.raises(ValueError, match="ranks disagree" if comm.size > 1 else "no rank holds"):
+        held = np.ones(16) if comm.size > 1 else Piece((17,), 0, np.ones(16))
+        write_checkpoint(path, {"w": Piece(shape, 0, held) if comm.size > 1 else held},
+                         step=1, comm=comm)
+    # one rank passes something unserialisable
+    bad_meta = object() if comm.rank == comm.size - 1 else {}
+    with pytest.raises((TypeError, CheckpointError), match="JSON-serialisable"):
+        write_checkpoint(path, {"w": np.ones(3)}, step=1, rank_meta=bad_meta, comm=comm)
+    assert not os.path.exists(path)
+
+
+def test_full_disk_leaves_previous_checkpoint_intact(comm, shared_dir, monkeypatch):
+    mgr = CheckpointManager(shared_dir, keep=3, comm=comm)
+    small = {"w": np.arange(1000, dtype=np.float64)}
+    mgr.save(1, small)
+    big = {"w": np.arange(1000, dtype=np.float64),
+           "big": Piece((comm.size * 400_000,), comm.rank * 400_000, np.ones(400_000))}
+    # 1. the space check: too little room is refused before anything is written
+    if comm.rank == 0:
+        monkeypatch.setattr(writer_module.shutil, "disk_usage",
+                            lambda d: shutil._ntuple_diskusage(10**9, 10**9 - 10**5, 10**5))
+    with pytest.raises(CheckpointError, match="not enough disk space"):
+        mgr.save(2, big)
+    monkeypatch.undo()
+    # 2. a limit statvfs does not show (here a file-size limit: EFBIG) is found by reserving
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        with pytest.raises(CheckpointError, match="cannot reserve"):
+            mgr.save(2, big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert mgr.steps() == [1]
+    comm.comm.Barrier()
+    assert sorted(os.listdir(shared_dir)) == ["ckpt-00000001.h5"]
+    with mgr.open_latest() as src:
+        assert src.step == 1 and np.array_equal(src.read("w"), small["w"])
+
+
+def test_preemption_flag_is_agreed_by_every_rank(comm):
+    with Preemption(comm, signals=("SIGUSR1",)) as pre:
+        assert not pre.should_stop()
+        if comm.rank == comm.size - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert pre.requested == (comm.rank == comm.size - 1)
+        assert pre.should_stop()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    with pytest.raises(ValueError, match="unknown signal"):
+        Preemption(comm, signals=("SIGNOPE",))
