@@ -8,11 +8,11 @@ two v-collectives are built here on MPI's nonblocking Ialltoallv / Iallgatherv (
 Communicator's private comm), sending raw bytes so fp16/bf16 travel at two bytes:
 
 - reduce-scatter-v: every rank sends the piece of its bucket that rank r owns straight to
-  r; the owner sums the `size` pieces in rank order in an fp32 (or wider) accumulator and
+  r; the owner sums the `size` pieces (its own read locally) in rank order in an fp32 (or wider) accumulator and
   rounds once, so the result does not depend on the order of arrival and half-precision
   gradients are rounded exactly once (the same as an fp32-accumulated allreduce). Each rank
   sends what it does not own, (size-1)/size of the bucket on average, like a ring; the owner
-  holds `size` pieces of its part while the exchange is in flight.
+  holds `size - 1` pieces of its part while the exchange is in flight.
 - allgather-v: every rank contributes the piece of [lo, hi) inside its shard.
 
 Both return a Pending handle at once, so the exchange overlaps the caller's compute (the
@@ -82,42 +82,43 @@ def _accumulator_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
-def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, scale: float = 1.0,
-                         out=None, accumulate: bool = False) -> Pending:
-    """Start reducing buf (the global range [lo, lo+len(buf)) on every rank) onto its owners.
+def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> Pending:
+    """Start summing buf (the global range [lo, lo+len(buf)) on every rank) onto its owners.
 
-    wait() returns my piece (the range ∩ my shard) = scale * sum over ranks, in buf's dtype,
-    written into `out` (added to it when accumulate) when given. Collective over comm: every
-    rank passes the same [lo, hi).
+    wait() returns my piece (the range ∩ my shard) of the sum over ranks, in buf's dtype,
+    written into `out` when given. My own piece is not sent: it is read from buf when the
+    pieces are summed. Collective over comm: every rank passes the same [lo, hi).
     """
     hi = lo + int(buf.shape[0])
     xp = get_array_module(buf)
     pieces = shards.pieces(lo, hi)
-    _, mine = shards.mine(lo, hi)
-    item = buf.dtype.itemsize
-    recv = xp.empty((comm.size, mine), dtype=buf.dtype)
+    start, mine = shards.mine(lo, hi)
+    me, item = comm.rank, buf.dtype.itemsize
+    others = [r for r in range(comm.size) if r != me]
+    recv = xp.empty((len(others), mine), dtype=buf.dtype)
     src = buf if buf.flags.c_contiguous else xp.ascontiguousarray(buf)
     send_mpi, recv_mpi = comm.to_mpi(src), comm.to_mpi(recv)
-    scounts = [c * item for _, c in pieces]
+    scounts = [0 if r == me else c * item for r, (_, c) in enumerate(pieces)]
     sdispls = [s * item for s, _ in pieces]
-    rcounts = [mine * item] * comm.size
-    rdispls = [r * mine * item for r in range(comm.size)]
+    slot = {r: i for i, r in enumerate(others)}
+    rcounts = [0 if r == me else mine * item for r in range(comm.size)]
+    rdispls = [0 if r == me else slot[r] * mine * item for r in range(comm.size)]
     request = comm.comm.Ialltoallv([_bytes(send_mpi), (scounts, sdispls), MPI.BYTE],
                                    [_bytes(recv_mpi), (rcounts, rdispls), MPI.BYTE])
 
     def finish():
         comm.from_mpi(recv_mpi, recv)
-        acc = recv[0].astype(_accumulator_dtype(buf.dtype))
-        for r in range(1, comm.size):          # rank order: independent of arrival order
-            acc += recv[r]
-        if scale != 1.0:
-            acc *= acc.dtype.type(scale)
+        local = buf[start - lo:start - lo + mine]
+        acc = None
+        for r in range(comm.size):              # rank order: independent of arrival order
+            piece = local if r == me else recv[slot[r]]
+            if acc is None:
+                acc = piece.astype(_accumulator_dtype(buf.dtype))
+            else:
+                acc += piece
         if out is None:
             return acc.astype(buf.dtype, copy=False)
-        if accumulate:
-            out[...] = (out.astype(acc.dtype) + acc).astype(out.dtype, copy=False)
-        else:
-            out[...] = acc
+        out[...] = acc
         return out
 
     return Pending(request, finish, (send_mpi, recv_mpi))
