@@ -51,11 +51,12 @@ class CheckpointManager:
         """Collective: steps of the checkpoint files present, ascending (rank 0 lists)."""
         return self.comm.comm.bcast(self._local_steps() if self.comm.rank == 0 else None, root=0)
 
-    def save(self, step: int, tensors, *, scalars: dict | None = None, meta: dict | None = None,
-             rank_meta=None) -> str:
+    def save(self, step: int, tensors, *, epoch: int | None = None, scalars: dict | None = None,
+             meta: dict | None = None, rank_meta=None) -> str:
         """Collective: write checkpoint `step` atomically, then delete all but the newest K."""
-        path = write_checkpoint(self.path(step), tensors, step=step, scalars=scalars, meta=meta,
-                                rank_meta=rank_meta, comm=self.comm, collective=self.collective)
+        path = write_checkpoint(self.path(step), tensors, step=step, epoch=epoch, scalars=scalars,
+                                meta=meta, rank_meta=rank_meta, comm=self.comm,
+                                collective=self.collective)
         if self.comm.rank == 0:
             damaged = {p for p, _ in self.skipped}
             good = [s for s in self._local_steps() if self.path(s) not in damaged]

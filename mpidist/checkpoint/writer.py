@@ -29,13 +29,14 @@ __all__ = ["write_checkpoint"]
 _SPACE_MARGIN = 1.02          # room asked for beyond the tensor bytes (HDF5 metadata, slack)
 
 
-def write_checkpoint(path: str, tensors, *, step: int, scalars: dict | None = None,
+def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
+                     scalars: dict | None = None,
                      meta: dict | None = None, rank_meta=None, comm=None,
                      collective: bool = True, fsync: bool = True) -> str:
     """Collective: write `tensors` to the HDF5 file `path`, atomically; returns path.
 
-    step: the training step; scalars: small JSON-able state the same on all ranks (epoch,
-    data-loader position, ...; taken from rank 0); meta: JSON-able description (config,
+    step, epoch: where training stands; scalars: small JSON-able state the same on all
+    ranks (optimizer step count, data-loader position, ...; taken from rank 0); meta: JSON-able description (config,
     strategy, ...; rank 0's); rank_meta: JSON-able per-rank state (RNG states), stored as
     a list indexed by rank. collective: use collective MPI-IO writes (else independent).
     The file is written as `.<name>.tmp` in the same directory, flushed, fsync'ed and
@@ -56,7 +57,7 @@ def write_checkpoint(path: str, tensors, *, step: int, scalars: dict | None = No
         if c.rank == 0:
             created = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M:%SZ}"
             head = (fmt.to_json(scalars or {}), fmt.to_json(meta or {}), created,
-                    socket.gethostname())
+                    socket.gethostname(), None if epoch is None else int(epoch))
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
         err, rank_json, head = exc, None, None
     fmt.agree(c, err)
@@ -252,7 +253,7 @@ def _combine(gathered: list[list], table: dict) -> dict:
 def _set_attrs(f, dsets, table, crcs, world_size, *, step, head, rank_jsons):
     """Identical attribute calls on every rank (parallel HDF5 requires it): values from rank 0."""
     import json
-    scalars_json, meta_json, created, hostname = head
+    scalars_json, meta_json, created, hostname, epoch = head
     for key, dset in dsets.items():
         dset.attrs["crc32"] = np.uint32(crcs[key][0])
         dset.attrs["dtype"] = table[key]["dtype"]
@@ -262,9 +263,8 @@ def _set_attrs(f, dsets, table, crcs, world_size, *, step, head, rank_jsons):
     a["format_version"] = fmt.FORMAT_VERSION
     a["mpidist_version"] = mpidist.__version__
     a["step"] = step
-    scalars = json.loads(scalars_json)
-    if "epoch" in scalars:
-        a["epoch"] = int(scalars["epoch"])
+    if epoch is not None:
+        a["epoch"] = epoch
     a["world_size"] = world_size
     a["created"] = created
     a["hostname"] = hostname

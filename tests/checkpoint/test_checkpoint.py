@@ -61,12 +61,12 @@ def my_pieces(full, rank, size):
 def test_round_trip_and_reshard(comm, shared_dir):
     full = global_tensors()
     path = os.path.join(shared_dir, "a.h5")
-    write_checkpoint(path, my_pieces(full, comm.rank, comm.size), step=11,
-                     scalars={"epoch": 2, "loader": [3, 5]}, meta={"config": {"lr": 0.1}},
+    write_checkpoint(path, my_pieces(full, comm.rank, comm.size), step=11, epoch=2,
+                     scalars={"loader": [3, 5]}, meta={"config": {"lr": 0.1}},
                      rank_meta={"rank": comm.rank}, comm=comm)
     with open_checkpoint(path, comm=comm) as src:
         assert src.step == 11 and src.epoch == 2 and src.world_size == comm.size
-        assert src.scalars == {"epoch": 2, "loader": [3, 5]}
+        assert src.scalars == {"loader": [3, 5]}
         assert src.meta == {"config": {"lr": 0.1}}
         assert src.rank_meta == [{"rank": r} for r in range(comm.size)]
         assert sorted(src.keys()) == sorted(full)
@@ -103,7 +103,7 @@ def test_manager_keeps_last_k_and_falls_back_over_damaged_files(comm, shared_dir
     assert mgr.open_latest() is None
     full = global_tensors(2)
     for step in (1, 2, 3, 4):
-        mgr.save(step, my_pieces(full, comm.rank, comm.size), scalars={"epoch": step})
+        mgr.save(step, my_pieces(full, comm.rank, comm.size), epoch=step)
     assert mgr.steps() == [2, 3, 4]
     mgr.save(5, my_pieces(full, comm.rank, comm.size))
     assert mgr.steps() == [3, 4, 5]

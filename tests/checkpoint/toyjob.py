@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     def save(step):
         mgr.save(step, {"params/w": w,
                         "optim/momentum/w": _Piece((DIM,), lo, m)},
-                 scalars={"losses": losses, "epoch": step // 4},
+                 epoch=step // 4, scalars={"losses": losses},
                  meta={"job": "toyjob", "dim": DIM, "lr": LR},
                  rank_meta={"pid": os.getpid()})
 

@@ -1,0 +1,101 @@
+"""The training loop's checkpoint hook (mpidist.engine.loop.CHECKPOINT_HOOK).
+
+Saves every [checkpoint] interval steps and at the end, resumes from the newest good
+checkpoint (on any rank count and strategy whose tensors match), and turns SIGTERM/SIGUSR1
+into "finish this step, checkpoint, exit REQUEUE_EXIT_CODE" on every rank.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from mpidist.checkpoint import format as fmt
+from mpidist.checkpoint.manager import CheckpointManager
+from mpidist.checkpoint.signals import REQUEUE_EXIT_CODE, Preemption
+
+__all__ = ["make_hook", "CheckpointHook"]
+
+log = logging.getLogger("mpidist")
+
+
+def make_hook(config: dict, comm) -> "CheckpointHook":
+    return CheckpointHook(config, comm)
+
+
+class CheckpointHook:
+    """Collective construction; resume / after_step / close are called on every rank."""
+
+    def __init__(self, config: dict, comm):
+        c = config["checkpoint"]
+        self.config = config
+        self.comm = comm
+        self.interval = int(c["interval"])
+        self.manager = CheckpointManager(c["dir"], keep=c["keep"], comm=comm)
+        self.preemption = Preemption(comm).install()
+        self.saved_step: int | None = None
+
+    def resume(self, strategy) -> bool:
+        """Collective: load the newest good checkpoint into strategy; False if there is none."""
+        src = self.manager.open_latest()
+        if src is None:
+            if self.comm.rank == 0:
+                log.info("no checkpoint in %s: starting from step 0", self.manager.directory)
+            return False
+        with src:
+            src.require(_expected_shapes(strategy, self.comm))
+            err = None
+            try:
+                strategy.load_state_dict(src)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+                err = exc
+            fmt.agree(self.comm, err)
+            if src.world_size == self.comm.size and len(src.rank_meta) == self.comm.size:
+                state = src.rank_meta[self.comm.rank].get("numpy_rng")
+                if state is not None:
+                    np.random.set_state(tuple(state))
+            if self.comm.rank == 0:
+                log.info("resumed from %s (step %d, written by %d ranks, %s)", src.path, src.step,
+                         src.world_size, src.meta.get("strategy", "?"))
+        self.saved_step = strategy.step
+        return True
+
+    def after_step(self, strategy, last: bool) -> None:
+        """Collective: save on the interval and at the end; on a preemption signal save and exit."""
+        step = strategy.step
+        if (self.interval and step % self.interval == 0) or last:
+            self.save(strategy)
+        if self.preemption.should_stop():
+            if self.saved_step != step:
+                self.save(strategy)
+            if self.comm.rank == 0:
+                log.warning("preempted (signal %s on some rank): checkpoint at step %d written, "
+                            "exiting with %d for requeue", self.preemption.received, step,
+                            REQUEUE_EXIT_CODE)
+            raise SystemExit(REQUEUE_EXIT_CODE)
+
+    def save(self, strategy) -> str:
+        sd = strategy.state_dict()
+        job = self.config["job"]
+        per_epoch = int(job.get("steps_per_epoch") or 0)
+        epoch, batch = divmod(sd.step, per_epoch) if per_epoch else (None, None)
+        rng = np.random.get_state()
+        path = self.manager.save(
+            sd.step, sd.tensors, epoch=epoch, scalars=sd.scalars,
+            meta={"config": self.config, "strategy": self.config["parallel"]["strategy"],
+                  "loader": {"epoch": epoch, "batch": batch, "seed": job.get("seed")}},
+            rank_meta={"numpy_rng": [rng[0], rng[1].tolist(), *rng[2:]]})
+        self.saved_step = sd.step
+        return path
+
+    def close(self) -> None:
+        self.preemption.uninstall()
+
+
+def _expected_shapes(strategy, comm) -> dict:
+    """Collective: every tensor key the strategy holds anywhere, with its global shape."""
+    mine = {k: tuple(p.shape) for k, p in strategy.state_dict().tensors.items()}
+    shapes: dict = {}
+    for part in comm.comm.allgather(mine):
+        shapes.update(part)
+    return shapes
