@@ -15,6 +15,7 @@ data-parallel engine does, so a step equals the data-parallel step on the same g
 """
 from __future__ import annotations
 
+import abc
 import time
 
 import ml_dtypes
@@ -56,7 +57,7 @@ def param_dtype(dtype) -> np.dtype:
     return dt
 
 
-class ZeroEngine:
+class ZeroEngine(abc.ABC):
     """Model + optimizer, partitioned over a data-parallel communicator (base of the stages).
 
     model: an mpidist.nn Module (unbound: the engine lays out and binds its parameters);
@@ -97,37 +98,38 @@ class ZeroEngine:
         self.inflight = InFlight()
         self.loss = SoftmaxCrossEntropy()
         self.step = 0
+        self._t_comm = 0.0         # seconds waiting for communication in this step
         self._setup(np.random.default_rng(seed))
         self.optimizer = make_optimizer(self.layout, self.offset, self.count, self.dtype)
 
     # ------------------------------------------------------------------ per stage
+    @abc.abstractmethod
     def _setup(self, rng) -> None:
         """Allocate and initialise parameters/gradients and bind the model."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _begin_step(self) -> None:
         """Before forward: zero what backward accumulates into (and _begin_forward)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _finish_grads(self) -> None:
         """After backward: my shard of the summed gradients is in self.grad_shard()."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _publish_params(self) -> None:
         """After the optimizer step: make the new parameters visible where forward needs them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def param_shard(self):
         """My shard of the parameters, [offset, offset+count), 1-D (live)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def grad_shard(self):
         """My shard of the summed gradients (valid after backward), 1-D (live)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _held(self) -> tuple[list, list]:
         """(parameter arrays, gradient arrays) this rank keeps between steps."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the step
     def _placeholders(self, dtype) -> dict:

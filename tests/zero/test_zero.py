@@ -90,6 +90,20 @@ def test_every_stage_equals_data_parallel(comm, opt_name, dtype):
         assert eng.count == chunk(97, comm.rank, comm.size)[1]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluate_before_training_uses_the_initial_model(comm, stage):
+    xs, ys = batches(steps=1)
+    lo, n = chunk(BATCH, comm.rank, comm.size)
+    model = mlp()
+    model.bind(*(FlatBuffer(Layout(model.param_shapes())).views() for _ in range(2)))
+    model.init_params(np.random.default_rng(0))
+    want, _ = SoftmaxCrossEntropy().forward(model.forward(xs[0], train=False), ys[0])
+    eng = build_zero(stage, mlp(), make_opt("adamw"), comm=comm, seed=0)
+    got = eng.evaluate(xs[0][lo:lo + n], ys[0][lo:lo + n])
+    assert got["count"] == BATCH and got["loss"] == pytest.approx(want, rel=1e-6)
+    assert eng.memory_report().in_flight == 0
+
+
 def test_stage3_transformer_with_nested_layers(comm):
     """GPT: embeddings, attention (Linear children), layer norms; backward order != layout order."""
     def gpt():
