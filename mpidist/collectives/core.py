@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpidist.collectives import guard, native, ring, select
-from mpidist.collectives.ops import accumulator_dtype, check_dtype, get_op
+from mpidist.collectives.ops import accumulator_dtype, check_dtype, dtype_name, get_op
 from mpidist.collectives.scratch import same_view
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
 from mpidist.comm import as_communicator
@@ -29,7 +29,7 @@ def _flat(x, what: str):
     if not x.flags.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous; pass np.ascontiguousarray({what})")
     check_dtype(x.dtype)
-    return x.reshape(-1)
+    return x if x.ndim == 1 else x.reshape(-1)
 
 
 def _check_out(out, like, n: int, what: str):
@@ -86,7 +86,8 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
         y = x if out is None else _check_out(out, buf, x.size, "buf")
         if y is not x and _overlap(x, y):
             raise ValueError("out overlaps buf; pass out=None to reduce in place")
-        signature = f"{kind}(n={x.size}, dtype={x.dtype}, op={opx.name}, algorithm={algorithm})"
+        signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
+                     ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)
@@ -102,6 +103,9 @@ def run_allreduce(c, x, y, opx, name: str) -> None:
     if x.size == 0:
         return
     fn = ALGORITHMS[name]
+    if type(x) is np.ndarray and accumulator_dtype(x.dtype) is x.dtype:    # the fast path
+        fn(c, x, y, opx)
+        return
     sbuf, widened = _to_acc(c, x)
     if y is x:
         fn(c, sbuf, sbuf, opx)
@@ -151,8 +155,8 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="ring"):
         if in_place and not same_view(x[offset:offset + count], y):
             raise ValueError(f"out overlaps buf other than as this rank's chunk "
                              f"buf[{offset}:{offset + count}]")
-        signature = (f"reduce_scatter(n={x.size}, dtype={x.dtype}, op={opx.name}, "
-                     f"algorithm={algorithm})")
+        signature = ("reduce_scatter", ("n", x.size), ("dtype", dtype_name(x.dtype)),
+                     ("op", opx.name), ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)
@@ -191,7 +195,7 @@ def allgather(shard, *, comm=None, out=None, algorithm="ring"):
             if s.size != chunk(n, c.rank, c.size)[1]:
                 raise ValueError(f"shard has {s.size} elements but chunk({n}, {c.rank}, "
                                  f"{c.size}) has {chunk(n, c.rank, c.size)[1]}")
-        signature = f"allgather(dtype={s.dtype}, n={n}, algorithm={algorithm})"
+        signature = ("allgather", ("n", n), ("dtype", dtype_name(s.dtype)), ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)

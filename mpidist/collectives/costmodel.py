@@ -130,6 +130,7 @@ class CostModel:
 
     def __init__(self, levels: dict, nodes: int, per_node: int):
         self.levels, self.nodes, self.per_node = levels, nodes, per_node
+        self._choices: dict[int, str] = {}
 
     def candidates(self) -> list[str]:
         names = [a for a in FLAT if a in self.levels["world"]["fits"]]
@@ -156,9 +157,13 @@ class CostModel:
 
     def choose(self, nbytes: int) -> str:
         """The cheapest candidate (ties: the earlier one in candidates())."""
-        if self.levels["world"]["p"] == 1:
-            return "native"
-        return min(self.candidates(), key=lambda a: self.predict(a, nbytes))
+        pick = self._choices.get(nbytes)
+        if pick is None:
+            pick = "native" if self.levels["world"]["p"] == 1 else \
+                min(self.candidates(), key=lambda a: self.predict(a, nbytes))
+            if len(self._choices) < 4096:
+                self._choices[nbytes] = pick
+        return pick
 
     def to_json(self) -> dict:
         return {"levels": self.levels, "nodes": self.nodes, "per_node": self.per_node}
@@ -212,8 +217,7 @@ _lock = threading.Lock()
 
 def get_model(comm, refit: bool = False) -> CostModel:
     """Collective on first use per communicator: the cached model, loaded or probed."""
-    with _lock:
-        model = None if refit else _models.get(comm)
+    model = None if refit else _models.get(comm)
     if model is not None:
         return model
     path = cache_path(comm)

@@ -143,7 +143,8 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
                 _check_out(o, a, a.size, "buf")
         groups = buckets(flat, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
         shape = [(len(g), sum(flat[i].size for i in g), str(flat[g[0]].dtype)) for g in groups]
-        signature = f"allreduce_async(buckets={shape}, op={opx.name}, algorithm={algorithm})"
+        signature = ("allreduce_async", ("buckets", tuple(shape)), ("op", opx.name),
+                     ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)

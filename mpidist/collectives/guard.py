@@ -18,7 +18,7 @@ import weakref
 
 from mpidist.errors import MismatchError, RemoteError
 
-__all__ = ["MODES", "set_mode", "get_mode", "check", "checked"]
+__all__ = ["MODES", "set_mode", "get_mode", "check", "checked", "describe"]
 
 MODES = ("first", "always", "off")
 _state = {"mode": None}
@@ -52,17 +52,28 @@ def get_mode() -> str:
 
 
 def checked(comm) -> frozenset:
-    """The signatures already checked on comm (the "first" mode skips these)."""
+    """The signatures already checked on comm (the "first" mode skips these), described."""
     with _lock:
-        return frozenset(_seen.get(comm, ()))
+        return frozenset(describe(s) for s in _seen.get(comm, ()))
 
 
-def check(comm, signature: str | None, error: BaseException | None = None) -> None:
+def describe(signature) -> str:
+    """('allreduce', ('n', 5), ('op', 'sum')) -> 'allreduce(n=5, op=sum)'."""
+    if signature is None:
+        return "(no call)"
+    kind, *fields = signature
+    return f"{kind}({', '.join(f'{k}={v}' for k, v in fields)})"
+
+
+def check(comm, signature: tuple | None, error: BaseException | None = None) -> None:
     """Collective (when checking): raise on every rank if any rank has an argument error or
-    a different signature. A rank with an error always takes part in the exchange."""
-    mode = get_mode()
-    with _lock:
-        seen = _seen.setdefault(comm, set())
+    a different signature (kind, (name, value), ...). A rank with an error always takes
+    part in the exchange."""
+    mode = _state["mode"] or get_mode()
+    seen = _seen.get(comm)
+    if seen is None:
+        with _lock:
+            seen = _seen.setdefault(comm, set())
     if error is None and (mode == "off" or (mode == "first" and signature in seen)):
         return
     if mode == "off":
@@ -79,7 +90,7 @@ def check(comm, signature: str | None, error: BaseException | None = None) -> No
     for r, (sig, _) in enumerate(values):
         groups.setdefault(sig, []).append(r)
     if len(groups) > 1:
-        detail = "; ".join(f"ranks {_ranges(rs)}: {sig}" for sig, rs in groups.items())
+        detail = "; ".join(f"ranks {_ranges(rs)}: {describe(sig)}" for sig, rs in groups.items())
         raise MismatchError(f"ranks disagree on the collective call ({detail}); every rank "
                             f"must make the same calls, in the same order, with the same "
                             f"length, dtype and op")

@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["Op", "OPS", "get_op", "SUPPORTED_DTYPES", "check_dtype", "accumulator_dtype",
-           "reduce_into"]
+           "dtype_name", "reduce_into"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ def get_op(op) -> Op:
     """The Op for a name (or an Op itself); ValueError listing the valid names otherwise."""
     if isinstance(op, Op):
         return op
+    found = OPS.get(op) if isinstance(op, str) else None
+    if found is not None:
+        return found
     if isinstance(op, str) and op.lower() in OPS:
         return OPS[op.lower()]
     raise ValueError(f"unknown reduction op {op!r}; valid ops: {', '.join(OPS)}")
@@ -66,10 +69,19 @@ SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
 _HALF = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
+_ACC = {dt: np.dtype(np.float32) if dt in _HALF else dt for dt in SUPPORTED_DTYPES}
+_NAMES = {dt: str(dt) for dt in SUPPORTED_DTYPES}
+
+
+def dtype_name(dtype) -> str:
+    """'float32', 'bfloat16', ... (cached for the supported dtypes)."""
+    return _NAMES.get(dtype) or str(dtype)
+
+
 def check_dtype(dtype) -> np.dtype:
     """The dtype if mpidist reduces it; TypeError naming the supported ones otherwise."""
-    dt = np.dtype(dtype)
-    if dt not in SUPPORTED_DTYPES:
+    dt = dtype if dtype in _ACC else np.dtype(dtype)
+    if dt not in _ACC:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"dtype {dt} is not supported by mpidist collectives; use one of {names}")
     return dt
@@ -77,8 +89,8 @@ def check_dtype(dtype) -> np.dtype:
 
 def accumulator_dtype(dtype) -> np.dtype:
     """float32 for float16/bfloat16, the dtype itself otherwise."""
-    dt = np.dtype(dtype)
-    return np.dtype(np.float32) if dt in _HALF else dt
+    acc = _ACC.get(dtype)
+    return acc if acc is not None else _ACC[check_dtype(dtype)]
 
 
 def reduce_into(op: Op, a, b, out) -> None:

@@ -41,7 +41,8 @@ def _run(n, argv, tmp_path, extra_env=None):
 @pytest.mark.launcher
 def test_hierarchical_two_nodes_of_three(tmp_path):
     res = _run(6, [sys.executable, "-c", SIX], tmp_path)
-    assert res.returncode == 0 and "HIER-2x3-OK" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "HIER-2x3-OK" in res.stdout, \
+        f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
 
 
 @pytest.mark.launcher
