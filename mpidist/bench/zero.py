@@ -49,7 +49,8 @@ def _parse(argv):
     p.add_argument("--budget", type=float, default=10.0,
                    help="per-rank memory budget, in bytes per parameter of the model")
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
-    p.add_argument("--out", default=os.path.join("results", "bench", "zero"), help="output directory")
+    p.add_argument("--out", default=os.path.join("results", "bench", "zero"),
+                   help="output directory")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]

@@ -38,7 +38,8 @@ PARAM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.b
 
 def check_stage(stage) -> int:
     """The ZeRO stage as an int in 1..3, or a ValueError saying what is allowed."""
-    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or stage not in (1, 2, 3):
+    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) or \
+            stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r} (1: shard optimizer "
                          f"states, 2: and gradients, 3: and parameters)")
     return int(stage)
@@ -79,9 +80,11 @@ class ZeroEngine(abc.ABC):
             if not callable(make_optimizer):
                 raise TypeError("make_optimizer must be a callable(layout, offset, count, "
                                 "param_dtype) -> optimizer")
-            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
+            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or \
+                    bucket_mb < 0:
                 raise ValueError(f"bucket_mb must be a number >= 0, got {bucket_mb!r}")
-            if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or \
+                    max_in_flight < 1:
                 raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
             self.layout = Layout(model.param_shapes())
             self.units = find_units(model, self.layout)
@@ -207,6 +210,7 @@ class ZeroEngine(abc.ABC):
         """What this rank holds now, from the .nbytes of its buffers."""
         params, grads = self._held()
         states = self.optimizer.state_buffers()
+        # the optimizer's fp32 copy of half-precision gradients (allocated at its first step)
         scratch = getattr(self.optimizer, "_gscratch", None)
         return MemoryReport(stage=self.stage, rank=self.comm.rank, size=self.comm.size,
                             numel=self.layout.numel, shard=self.count,

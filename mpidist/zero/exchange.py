@@ -8,11 +8,11 @@ two v-collectives are built here on MPI's nonblocking Ialltoallv / Iallgatherv (
 Communicator's private comm), sending raw bytes so fp16/bf16 travel at two bytes:
 
 - reduce-scatter-v: every rank sends the piece of its bucket that rank r owns straight to
-  r; the owner sums the `size` pieces (its own read locally) in rank order in an fp32 (or wider) accumulator and
-  rounds once, so the result does not depend on the order of arrival and half-precision
-  gradients are rounded exactly once (the same as an fp32-accumulated allreduce). Each rank
-  sends what it does not own, (size-1)/size of the bucket on average, like a ring; the owner
-  holds `size - 1` pieces of its part while the exchange is in flight.
+  r; the owner sums the `size` pieces (its own read locally) in rank order in an fp32 (or
+  wider) accumulator and rounds once, so the result does not depend on the order of arrival
+  and half-precision gradients are rounded exactly once (the same as an fp32-accumulated
+  allreduce). Each rank sends what it does not own, (size-1)/size of the bucket on average,
+  like a ring; the owner holds `size - 1` pieces of its part while the exchange is in flight.
 - allgather-v: every rank contributes the piece of [lo, hi) inside its shard.
 
 Both return a Pending handle at once, so the exchange overlaps the caller's compute (the

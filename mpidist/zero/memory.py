@@ -94,11 +94,12 @@ class MemoryReport:
 
     def format(self) -> str:
         mib = 1 << 20
-        return (f"rank {self.rank}/{self.size} zero-{self.stage}: params "
-                f"{self.params / mib:.2f} MiB, grads {self.grads / mib:.2f} MiB, optimizer "
-                f"{self.optim / mib:.2f} MiB, model states {self.model_states / mib:.2f} MiB "
-                f"({self.bytes_per_param:.2f} B/param), workspace {self.workspace / mib:.2f} MiB, in flight {self.in_flight / mib:.2f} "
-                f"MiB (peak {self.peak_in_flight / mib:.2f} MiB)")
+        name = "dp" if self.stage == 0 else f"zero-{self.stage}"
+        return (f"rank {self.rank}/{self.size} {name}: params {self.params / mib:.2f} MiB, "
+                f"grads {self.grads / mib:.2f} MiB, optimizer {self.optim / mib:.2f} MiB, "
+                f"model states {self.model_states / mib:.2f} MiB ({self.bytes_per_param:.2f} "
+                f"B/param), workspace {self.workspace / mib:.2f} MiB, in flight "
+                f"{self.in_flight / mib:.2f} MiB (peak {self.peak_in_flight / mib:.2f} MiB)")
 
 
 def model_state_bytes(stage: int, numel: int, shard: int, *, param_bytes: int,
