@@ -20,6 +20,9 @@ Server ranks train nothing: their first train_step serves the whole run.
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import time
 
 import numpy as np
@@ -31,6 +34,8 @@ from mpidist.ps.consistency import Consistency, Straggler, format_histogram
 from mpidist.ps.server import ParameterServer
 
 __all__ = ["ParameterServerStrategy"]
+
+log = logging.getLogger("mpidist")
 
 
 class ParameterServerStrategy(Strategy):
@@ -153,5 +158,18 @@ class ParameterServerStrategy(Strategy):
         return rep
 
     def close(self) -> None:
-        """Collective: free the windows."""
+        """Collective: free the windows; rank 0 logs the staleness histogram and writes it
+        to <out_dir>/ps_stats.json."""
         self.ps.close()
+        stats = self.report()
+        if self.comm.rank == 0:
+            log.info("parameter server %s: %d workers, %d servers, max SSP clock gap %d, "
+                     "worker wait %s s; staleness of %d pushes:\n%s", stats["consistency"],
+                     stats["workers"], stats["servers"], stats["max_clock_gap"],
+                     [round(w, 3) for w in stats["wait_time"]],
+                     int(stats["staleness_histogram"].sum()), stats["histogram_text"])
+            out = self.config["job"]["out_dir"]
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "ps_stats.json"), "w") as fh:
+                json.dump({**stats, "staleness_histogram": stats["staleness_histogram"].tolist()},
+                          fh, indent=1)

@@ -182,6 +182,8 @@ class Windows:
             if win is None:
                 continue
             setattr(self, name, None)
-            if locked:
-                win.Unlock_all()
-            win.Free()
+            try:
+                if locked:
+                    win.Unlock_all()
+            finally:
+                win.Free()

@@ -78,6 +78,7 @@ class Worker:
         self._one64 = [self._one, MPI.INT64_T]
         self._applied = [np.zeros(workers, np.int64) for _ in range(S)]
         self._finished = False
+        self._pulled_at = -1                             # clock of my last pull
 
     # ------------------------------------------------------------------ pull
     def pull(self, out: np.ndarray | None = None) -> np.ndarray:
@@ -85,6 +86,7 @@ class Worker:
         self._check_live()
         out = self._out(out)
         self._wait_for_model()
+        self._pulled_at = self.clock
         return self._get(out)
 
     def _out(self, out):
@@ -190,6 +192,9 @@ class Worker:
         if not isinstance(grad, np.ndarray) or grad.shape != (self.n,):
             raise ValueError(f"grad must be a NumPy array of shape ({self.n},), got "
                              f"{getattr(grad, 'shape', type(grad).__name__)}")
+        if self.consistency.model == "bsp" and self._pulled_at != self.clock:
+            raise RuntimeError("BSP: call pull() before every push(), so each step's update "
+                               "holds one gradient per worker")
         grad = np.ascontiguousarray(grad, dtype=self.dtype)
         if self.straggler is not None:
             self.straggler.stall(self.index)

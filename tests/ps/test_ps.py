@@ -71,10 +71,13 @@ def test_integer_pushes_sum_exactly(comm, model):
             w = ps.worker_index
             ps.run(lambda p, t: (rng.random() < 0.2 and __import__("time").sleep(1e-4))
                    or _pushes(w, t, n), K)
+            pulled = ps.worker.pull_final() if ps.worker is not None else None
             final = ps.parameters()
             stats = ps.stats()
         W = ps.num_workers
         np.testing.assert_array_equal(final, _expected(W, K, n))
+        if pulled is not None:
+            np.testing.assert_array_equal(pulled, final)
         assert sum(stats["pushes"]) == servers * W * K
         assert stats["staleness_histogram"].sum() == W * K
         if model == "bsp":
@@ -154,6 +157,18 @@ def test_asp_workers_do_not_wait_for_a_straggler(comm):
         assert stats["staleness_histogram"][1:].sum() > 0   # the straggler pushed stale grads
 
 
+@pytest.mark.mpi(min_size=2)
+def test_bsp_push_without_pull_is_refused(comm):
+    with pytest.raises((RuntimeError, RemoteError)):
+        with ParameterServer(np.zeros(4), comm=comm, consistency="bsp", timeout=20) as ps:
+            if ps.worker is not None:
+                ps.worker.pull()
+                ps.worker.push(np.ones(4))
+                ps.worker.push(np.ones(4))         # step 1 without its pull
+            else:
+                ps.serve()
+
+
 @pytest.mark.mpi(min_size=3)
 def test_bsp_step_mismatch_raises_on_every_rank(comm):
     """A worker that stops early makes BSP fail everywhere (no rank hangs)."""
@@ -173,6 +188,7 @@ def test_error_inside_with_block_frees_windows_and_raises_everywhere(comm):
             ps.run(lambda p, t: np.ones(4), 3)
     assert ps.closed
     ps.close()                                    # a second close is a no-op
+    assert ps.windows.freed
     if ps.worker is not None:
         with pytest.raises(RuntimeError, match="freed"):
             ps.worker.pull()
@@ -189,3 +205,27 @@ def test_parameter_server_checks_its_arguments(comm):
     else:
         with pytest.raises(ValueError, match="servers"):
             ParameterServer(np.zeros(4), comm=comm, servers=comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pulls_are_never_torn_and_never_go_back(comm):
+    """ASP with pushes of ones: every pulled shard is constant (one version) and grows."""
+    n, K = 200_000, 25
+    with ParameterServer(np.zeros(n, np.float32), comm=comm, servers=min(2, comm.size - 1),
+                         consistency="asp", average=False) as ps:
+        bad = 0
+        if ps.is_server:
+            ps.serve()
+        else:
+            last = np.zeros(len(ps.shards))
+            for _ in range(K):
+                p = ps.worker.pull()
+                for i, (off, cnt) in enumerate(ps.shards):
+                    shard = p[off:off + cnt]
+                    bad += int(shard.min() != shard.max() or shard[0] < last[i])
+                    last[i] = shard[0]
+                ps.worker.push(np.ones(n, np.float32))
+            ps.worker.finish()
+            final = ps.worker.pull_final()           # waits until every push is applied
+            assert ps.worker.global_clock() == K and (final == ps.num_workers * K).all()
+    assert bad == 0
