@@ -10,8 +10,9 @@ Model and data as in issue 6: an MLP 1024-2048-2048-10 (6.3M parameters), synthe
     comm      allreduce of the whole gradient buffer in the same buckets, no compute
     step      a DistributedOptimizer step with buckets overlapping backward (--bucket-mb)
     step_noov the same with one bucket sent after backward (no overlap)
-and reports samples/s (global batch / step), speed-up over 1 rank, and the hidden fraction
-of communication, (compute + comm - step) / comm. When PyTorch is importable the same MLP is
+(taking turns, medians over the timed steps of the slowest rank) and reports samples/s
+(global batch / step), speed-up over 1 rank, and the hidden fraction of communication,
+(compute + comm - step) / comm. When PyTorch is importable the same MLP is
 trained with DDP (gloo, one thread per rank) for comparison; otherwise it says so.
 """
 from __future__ import annotations
@@ -47,17 +48,27 @@ def _parse(argv):
 
 
 # ----------------------------------------------------------------------------- one world size
-def _timed(comm, fn, steps, warmup):
-    """Seconds per call of fn: the slowest rank's mean over `steps` calls after `warmup`."""
+def _interleaved(comm, fns: dict, steps: int, warmup: int) -> dict:
+    """Median seconds per call of each fn, the slowest rank's per call.
+
+    The measurements take turns (one call of each per round), so a change of machine load
+    during the run hits all of them alike; every call starts after a barrier.
+    """
     from mpi4py import MPI
-    for _ in range(warmup):
-        fn()
-    comm.comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    t = (time.perf_counter() - t0) / steps
-    return comm.comm.allreduce(t, op=MPI.MAX)
+    times = {k: [] for k in fns}
+    for i in range(warmup + steps):
+        for k, fn in fns.items():
+            comm.comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    out = {}
+    for k, ts in times.items():
+        slowest = np.empty(len(ts))
+        comm.comm.Allreduce(np.asarray(ts), slowest, op=MPI.MAX)
+        out[k] = float(np.median(slowest))
+    return out
 
 
 def _worker(args) -> dict:
@@ -80,15 +91,14 @@ def _worker(args) -> dict:
         ce.forward(model.forward(x), y)
         model.backward(ce.backward(scale))
 
-    # compute only: forward, backward, optimizer step
+    # compute only: forward, backward, optimizer step (no hooks, no communication)
     opt = build_optimizer("sgd", layout, lr=0.01, momentum=0.9)
 
     def compute():
+        model.set_grad_hook(None)
         fwd_bwd()
         opt.step(params.data, grads.data)
         grads.data[...] = 0
-
-    t_compute = _timed(comm, compute, args.steps, args.warmup)
 
     # communication only: the same buckets, launched back to back
     buckets = [grads.data[lo:hi] for lo, hi in make_buckets(layout, 4, args.bucket_mb)]
@@ -97,26 +107,26 @@ def _worker(args) -> dict:
         for h in [allreduce_async(b, op="sum", algorithm=args.algorithm, comm=comm) for b in buckets]:
             h.wait()
 
-    t_comm = _timed(comm, communicate, args.steps, args.warmup)
+    # full data-parallel steps, with buckets overlapping backward and with one bucket after it
+    dopts = {key: DistributedOptimizer(build_optimizer("sgd", layout, lr=0.01, momentum=0.9), params, grads,
+                                       comm=comm, algorithm=args.algorithm, bucket_mb=mb, op="sum")
+             for key, mb in (("step", args.bucket_mb), ("step_noov", 0.0))}
 
-    # full data-parallel steps, with and without overlap
-    res = {}
-    for key, mb in (("step", args.bucket_mb), ("step_noov", 0.0)):
-        dopt = DistributedOptimizer(build_optimizer("sgd", layout, lr=0.01, momentum=0.9), params, grads,
-                                    comm=comm, algorithm=args.algorithm, bucket_mb=mb, op="sum")
-        dopt.attach(model)
-
-        def step():
+    def dp_step(dopt):
+        def run():
+            dopt.attach(model)
             fwd_bwd()
             dopt.step()
+        return run
 
-        res[key] = _timed(comm, step, args.steps, args.warmup)
+    res = _interleaved(comm, {"t_compute": compute, "t_comm": communicate, "step": dp_step(dopts["step"]),
+                              "step_noov": dp_step(dopts["step_noov"])}, args.steps, args.warmup)
     model.set_grad_hook(None)
-    out = {"ranks": comm.size, "params": layout.numel, "batch_per_rank": args.batch,
-           "t_compute": t_compute, "t_comm": t_comm, **res,
+    out = {"ranks": comm.size, "params": layout.numel, "batch_per_rank": args.batch, **res,
            "samples_per_s": args.batch * comm.size / res["step"],
            "samples_per_s_noov": args.batch * comm.size / res["step_noov"],
-           "hidden_fraction": (t_compute + t_comm - res["step"]) / t_comm if t_comm > 0 else 0.0}
+           "hidden_fraction": (res["t_compute"] + res["t_comm"] - res["step"]) / res["t_comm"]
+           if res["t_comm"] > 0 else 0.0}
     comm.free()
     return out
 
