@@ -45,6 +45,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "job": {
         "name": _f(str, None, "job name (default: the config file's stem)"),
         "seed": _f(int, 0, "seed of model init, data order and dropout", **_nonneg),
+        "device": _f(str, "cpu", "where the dp strategy computes: cpu (NumPy) or gpu (CuPy)",
+                     choices=("cpu", "gpu")),
         "epochs": _f(int, 1, "passes over the training set (ignored when steps > 0)", **_nonneg),
         "steps": _f(int, 0, "optimizer steps to run; 0 = run `epochs` epochs", **_nonneg),
         "out_dir": _f(str, None, "where metrics, plots and checkpoints go (default runs/<name>)"),
@@ -209,6 +211,10 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
         errors.append(f"[data] path = {cfg['data']['path']!r}: no such file")
     if model == "gpt" and cfg["model"]["dim"] % cfg["model"]["heads"]:
         errors.append(f"[model] dim = {cfg['model']['dim']} must be divisible by heads = {cfg['model']['heads']}")
+    if cfg["job"]["device"] == "gpu":
+        from mpidist.kernels.backend import gpu_available
+        if not gpu_available():
+            errors.append("[job] device = 'gpu' needs CuPy and a CUDA GPU on this machine")
     if cfg["job"]["epochs"] == 0 and cfg["job"]["steps"] == 0:
         errors.append("[job] set epochs > 0 or steps > 0")
     if world_size is not None:

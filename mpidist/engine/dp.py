@@ -29,7 +29,12 @@ class DataParallel(Strategy):
         super().__init__(config, comm, meta)
         p = config["parallel"]
         self.model = build_model_from_config(config, meta)
-        self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32, seed=config["job"]["seed"])
+        self.xp = np
+        if config["job"]["device"] == "gpu":
+            from mpidist.kernels.backend import cupy
+            self.xp = cupy()
+        self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32, xp=self.xp,
+                                                           seed=config["job"]["seed"])
         self.optimizer = build_optimizer_from_config(config, self.layout)
         self.dopt = DistributedOptimizer(self.optimizer, self.params, self.grads, comm=comm,
                                          algorithm=p["algorithm"], bucket_mb=p["bucket_mb"],
@@ -41,6 +46,8 @@ class DataParallel(Strategy):
 
     def train_step(self, x, y, global_count: int | None = None) -> dict:
         rows = 0 if x is None else len(x)
+        if rows:
+            x, y = self.xp.asarray(x), self.xp.asarray(y)
         if global_count is None:
             global_count = self.comm.comm.allreduce(rows)
         scale = 1.0 / (global_count * self.tokens)
@@ -67,13 +74,14 @@ class DataParallel(Strategy):
         loss_sum = correct = 0.0
         count = 0 if x is None else len(x) * self.tokens
         if count:
-            loss_sum, correct = self.loss.forward(self.model.forward(x, train=False), y)
+            logits = self.model.forward(self.xp.asarray(x), train=False)
+            loss_sum, correct = self.loss.forward(logits, self.xp.asarray(y))
         totals = self.comm.comm.allreduce(np.array([loss_sum, correct, count], dtype=np.float64))
         return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
 
     def predict(self, x):
         """Logits of this rank's inputs (no communication)."""
-        return self.model.forward(x, train=False)
+        return self.model.forward(self.xp.asarray(x), train=False)
 
     def state_dict(self) -> StateDict:
         r, s = self.comm.rank, self.comm.size

@@ -184,3 +184,12 @@ def test_compressed_data_parallel_trains_and_ranks_agree(comm, compression):
     assert strategy.dopt.compressed is not None and strategy.dopt.compressed.step > 0
     assert np.isfinite(losses).all() and losses[-3:].mean() < losses[:3].mean()
     comm.check_same(strategy.params.data.tobytes(), "parameters after compressed training")
+
+
+@pytest.mark.gpu
+def test_dp_on_gpu_matches_cpu(comm):
+    cfg = _config("adamw", lr=0.01)
+    cpu, _ = _train(comm, cfg, steps=4)
+    cfg["job"]["device"] = "gpu"
+    gpu, strategy = _train(comm, cfg, steps=4)
+    assert strategy.xp.__name__ == "cupy" and np.allclose(cpu, gpu, rtol=1e-4, atol=1e-5)
