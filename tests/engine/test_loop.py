@@ -1,0 +1,55 @@
+"""The training loop end to end in-process: p ranks give the curve one rank gives for the same
+global batch, and the run leaves metrics, summary and plot."""
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist.comm import Communicator
+from mpidist.engine.config import validate
+from mpidist.engine.loop import run
+from mpidist.engine.metrics import read_metrics
+
+
+@pytest.fixture
+def shared_dir(comm):
+    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-loop-") if comm.rank == 0 else None, root=0)
+    yield path
+    comm.comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _cfg(out_dir, cache_dir, plot):
+    return validate({"job": {"steps": 10, "eval_every": 5, "progress": False, "plot": plot, "out_dir": out_dir,
+                             "seed": 4},
+                     "model": {"name": "mlp", "hidden": [16]},
+                     "data": {"dataset": "synthetic", "samples": 300, "features": 12, "classes": 4,
+                              "batch_size": 20, "cache_dir": cache_dir},
+                     "optim": {"name": "lamb", "lr": 0.02, "schedule": "cosine", "warmup_steps": 3},
+                     "parallel": {"strategy": "dp", "algorithm": "ring", "bucket_mb": 0.0001}}, name="loop")
+
+
+def test_loop_on_p_ranks_matches_one_rank(comm, shared_dir):
+    summary = run(_cfg(os.path.join(shared_dir, "dp"), os.path.join(shared_dir, "data"), plot=True), comm)
+    solo = None
+    if comm.rank == 0:            # the same job on one rank (collectives on COMM_SELF only)
+        self_comm = Communicator(MPI.COMM_SELF)
+        solo = run(_cfg(os.path.join(shared_dir, "solo"), os.path.join(shared_dir, "data1"), plot=False), self_comm)
+        self_comm.free()
+    comm.comm.Barrier()
+    if comm.rank == 0:
+        dp_rows = read_metrics(os.path.join(shared_dir, "dp", "metrics.jsonl"))
+        solo_rows = read_metrics(os.path.join(shared_dir, "solo", "metrics.jsonl"))
+        dp_loss = [r["loss"] for r in dp_rows if r["event"] == "step"]
+        solo_loss = [r["loss"] for r in solo_rows if r["event"] == "step"]
+        assert len(dp_loss) == 10 and np.allclose(dp_loss, solo_loss, rtol=1e-5, atol=1e-6)
+        assert [r["step"] for r in dp_rows if r["event"] == "eval"] == [5, 10]
+        assert abs(summary["test_accuracy"] - solo["test_accuracy"]) < 1e-9
+        assert json.load(open(os.path.join(shared_dir, "dp", "summary.json")))["steps"] == 10
+        assert os.path.getsize(os.path.join(shared_dir, "dp", "training.png")) > 10_000
+    assert summary["ranks"] == comm.size and summary["steps"] == 10
