@@ -47,7 +47,7 @@ class AdamW(Optimizer):
             return self._skip("non-finite gradients")
         bc1, bc2 = self.corrections(self.step_count + 1)
         s = self._state
-        vmax = s["max_exp_avg_sq"] if self.amsgrad else self._empty()
+        vmax = s["max_exp_avg_sq"] if self.amsgrad else self._empty(work)
         seg_c = np.full(self.plan.nseg, float(lr))
         kern.adam_update(work, g, s["exp_avg"], s["exp_avg_sq"], vmax, self.seg_wd(), seg_c,
                          gscale, self.betas[0], self.betas[1], self.eps, bc1, bc2, self.amsgrad)

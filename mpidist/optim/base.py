@@ -12,6 +12,7 @@ totals, so a tensor split across ranks gets the same ratio as an unsplit one.
 """
 from __future__ import annotations
 
+import abc
 import fnmatch
 import numbers
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 import ml_dtypes
 
 from mpidist.flat import Layout
-from mpidist.kernels.backend import get_array_module, is_cupy
+from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
 
 __all__ = ["Optimizer", "LayerwiseOptimizer", "StepInfo", "Plan", "DEFAULT_EXCLUDE", "PARAM_DTYPES", "BACKENDS"]
 
@@ -121,9 +122,9 @@ def match_names(layout: Layout, patterns) -> np.ndarray:
                     dtype=bool)
 
 
-class Optimizer:
-    """Base of the flat-buffer optimizers; subclasses define `state_names`, `_update` and
-    `hyper()`. Not thread-safe; one instance per shard."""
+class Optimizer(abc.ABC):
+    """Base of the flat-buffer optimizers; subclasses define `state_names` (or
+    `_active_states`), `_update` and `hyper()`. Not thread-safe; one instance per shard."""
 
     name = "optimizer"
     state_names: tuple[str, ...] = ()
@@ -211,14 +212,16 @@ class Optimizer:
                             "(keys 'step' and 'state')")
         if sd.get("name", self.name) != self.name:
             raise ValueError(f"state dict of a {sd['name']!r} optimizer given to {self.name!r}")
+        dtype = self.param_dtype
         if sd.get("param_dtype") is not None:
             dtype = np.dtype(getattr(ml_dtypes, sd["param_dtype"], None) or sd["param_dtype"])
             if self.param_dtype is not None and dtype != self.param_dtype:
                 raise ValueError(f"state dict is for {dtype} parameters, this optimizer "
                                  f"holds {self.param_dtype} ones")
-            self._set_param_dtype(dtype)
+            if dtype not in PARAM_DTYPES:
+                raise TypeError(f"parameters must be float32, float16 or bfloat16, got {dtype}")
         state = sd["state"]
-        want = set(self._state)
+        want = set(self._state) | ({"master"} if dtype not in (None, np.float32) else set())
         if set(state) != want:
             raise ValueError(f"state names {sorted(state)} do not match this optimizer's "
                              f"{sorted(want)}")
@@ -232,9 +235,12 @@ class Optimizer:
         step = sd["step"]
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        if dtype is not None:
+            self._set_param_dtype(dtype)
         for k, v in state.items():
             dst = self._state[k]
-            dst[...] = get_array_module(dst).asarray(v)
+            dst[...] = to_numpy(v) if isinstance(dst, np.ndarray) else \
+                get_array_module(dst).asarray(v)
         self.step_count = int(step)
         self._master_ready = self.step_count > 0
 
@@ -280,8 +286,9 @@ class Optimizer:
         self.step_count += 1
         return StepInfo(False, None, self.step_count, lr, trust)
 
+    @abc.abstractmethod
     def _update(self, kern, work, g, gscale, lr, reduce_norms, finite) -> StepInfo:
-        raise NotImplementedError(f"{type(self).__name__} must implement _update")
+        """Check finiteness (or take `finite`), run the kernels on fp32 weights `work`."""
 
     def _check(self, params, grads, loss_scale, finite, reduce_norms):
         """Validate the step's arguments; returns the array module."""
@@ -332,10 +339,9 @@ class Optimizer:
             self._kernels[backend] = K(self.plan)
         return self._kernels[backend]
 
-    def _empty(self):
-        """A zero-length fp32 array on the states' device (for unused kernel arguments)."""
-        return get_array_module(*self._state.values()).zeros(0, np.float32) if self._state \
-            else np.zeros(0, np.float32)
+    def _empty(self, like):
+        """A zero-length fp32 array beside `like` (for a state a kernel does not use)."""
+        return get_array_module(like).zeros(0, np.float32)
 
     def _reduced(self, partials: np.ndarray, reduce_norms) -> np.ndarray:
         """Sum the per-segment partials across shards through reduce_norms (checked)."""
@@ -378,11 +384,14 @@ class LayerwiseOptimizer(Optimizer):
         self._apply(kern, work, g, gscale, lr, trust)
         return self._done(lr, trust)
 
+    @abc.abstractmethod
     def _sums(self, kern, work, g, gscale) -> np.ndarray:
-        raise NotImplementedError(f"{type(self).__name__} must implement _sums")
+        """Per-segment partial sums of squares over my range; last column ||g||^2."""
 
+    @abc.abstractmethod
     def _trust(self, totals: np.ndarray) -> np.ndarray:
-        raise NotImplementedError(f"{type(self).__name__} must implement _trust")
+        """Trust ratio per layout segment from the summed partials."""
 
+    @abc.abstractmethod
     def _apply(self, kern, work, g, gscale, lr, trust) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must implement _apply")
+        """The fused element-wise update with per-segment factors lr*trust."""

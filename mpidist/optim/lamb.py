@@ -69,7 +69,7 @@ class LAMB(LayerwiseOptimizer):
 
     def _moments(self):
         s = self._state
-        vmax = s["max_exp_avg_sq"] if self.amsgrad else self._empty()
+        vmax = s["max_exp_avg_sq"] if self.amsgrad else self._empty(s["exp_avg"])
         bc1, bc2 = self.corrections(self.step_count + 1)
         return (s["exp_avg"], s["exp_avg_sq"], vmax, self.betas[0], self.betas[1], self.eps,
                 bc1, bc2, self.amsgrad)

@@ -43,7 +43,7 @@ class LARS(LayerwiseOptimizer):
 
     def _apply(self, kern, work, g, gscale, lr, trust):
         use_buf = self.momentum > 0
-        buf = self._state["momentum_buffer"] if use_buf else self._empty()
+        buf = self._state["momentum_buffer"] if use_buf else self._empty(work)
         # v = momentum*v + (lr*trust_s)*(g + wd_s*w); w -= v
         kern.momentum_update(work, g, buf, self.seg_wd(), float(lr) * trust, gscale,
                              self.momentum, self.momentum, 1.0, False, use_buf)

@@ -47,7 +47,7 @@ class SGD(Optimizer):
         decay = 0.0 if first else self.momentum
         c = 1.0 if first else 1.0 - self.dampening
         seg_c = np.full(self.plan.nseg, c)
-        buf = self._state["momentum_buffer"] if use_buf else self._empty()
+        buf = self._state["momentum_buffer"] if use_buf else self._empty(work)
         kern.momentum_update(work, g, buf, self.seg_wd(), seg_c, gscale, decay, self.momentum,
                              float(lr), self.nesterov, use_buf)
         return self._done(lr)
