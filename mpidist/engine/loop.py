@@ -149,7 +149,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
                    "accuracy": m["correct"] / max(m["count"], 1), "samples": count, "t_step": t_step,
                    "t_data": t_data, "samples_per_s": count / t_step,
                    **{k: m[k] for k in ("t_compute", "t_comm", "t_optim")},
-                   **{k: m[k] for k in ("lr", "skipped") if k in m}}
+                   **{k: m[k] for k in ("lr", "skipped") if k in m},
+                   **{k: v for k, v in m.items() if k.startswith("mem_")}}   # e.g. ZeRO's memory report
             writer.write(rec)
             if bar is not None:
                 bar.update(1)
