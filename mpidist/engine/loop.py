@@ -109,8 +109,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
     config = {**config, "job": {**job, "total_steps": total, "steps_per_epoch": per_epoch}}
     strategy = _agreed(comm, build_strategy, config, comm, meta)
     hook = _agreed(comm, _checkpoint_hook, config, comm)
-    if hook is not None and config["checkpoint"]["resume"] and hook.resume(strategy) and comm.rank == 0:
-        log.info("resumed at step %d", strategy.step)
+    if hook is not None and config["checkpoint"]["resume"]:
+        hook.resume(strategy)
     is_root = comm.rank == 0
     if is_root:
         os.makedirs(out_dir, exist_ok=True)
