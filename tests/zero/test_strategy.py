@@ -105,4 +105,6 @@ def test_main_job_model_trains_with_stage_3(tmp_path):
     assert summary["memory"]["params"] + summary["memory"]["grads"] + \
         summary["memory"]["optim"] == 16 * -(-numel // 4)
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert sum(r["event"] == "step" for r in rows) == summary["steps"]
+    steps = [r for r in rows if r["event"] == "step"]
+    assert len(steps) == summary["steps"]
+    assert all(r["mem_model_states"] == 16 * -(-numel // 4) for r in steps)   # in the metrics
