@@ -111,9 +111,10 @@ class _Ring:
             blocks[(self.rank - s - 1) % self.size] = self.shift(blocks[(self.rank - s) % self.size])
         return blocks
 
-    def allreduce(self, x: np.ndarray, encode, decode) -> np.ndarray:
-        """In-place sum of float32 x over ranks. Hops carry messages encode(lo, x[lo:hi])
-        (lo: where the chunk starts) and decode(message, count) -> float32 reads them."""
+    def allreduce(self, x: np.ndarray, codec) -> np.ndarray:
+        """In-place sum of float32 x over ranks. Hops carry codec.encode(lo, x[lo:hi])
+        (lo: where the chunk starts); codec.add(msg, out) adds a message's values into
+        out, codec.set(msg, out) overwrites out with them."""
         p, r = self.size, self.rank
         counts, displs = counts_displs(x.shape[0], p)
 
@@ -122,27 +123,58 @@ class _Ring:
 
         # 1. reduce-scatter: at hop s send chunk r-s, add the received chunk r-s-1
         for s in range(p - 1):
-            c, a = (r - s - 1) % p, (r - s) % p
-            part(c)[...] += decode(self.shift(encode(displs[a], part(a))), counts[c])
+            a = (r - s) % p
+            codec.add(self.shift(codec.encode(displs[a], part(a))), part((r - s - 1) % p))
         # 2. my chunk r+1 now holds the full sum; keep its encoded form, so every rank
         #    ends with the same numbers
         own = (r + 1) % p
-        msg = encode(displs[own], part(own))
-        part(own)[...] = decode(msg, counts[own])
+        msg = codec.encode(displs[own], part(own))
+        codec.set(msg, part(own))
         # 3. allgather the encoded sums: at hop s forward chunk r+1-s, receive chunk r-s
         for s in range(p - 1):
             msg = self.shift(msg)
-            c = (r - s) % p
-            part(c)[...] = decode(msg, counts[c])
+            codec.set(msg, part((r - s) % p))
         return x
 
 
-def _raw_encode(lo: int, chunk: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(chunk).view(np.uint8)
+class _RawCodec:
+    """float32 chunks as they are (the uncompressed ring)."""
+
+    @staticmethod
+    def encode(lo: int, chunk: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(chunk).view(np.uint8)
+
+    @staticmethod
+    def add(msg: np.ndarray, out: np.ndarray) -> None:
+        out += msg.view(np.float32)
+
+    @staticmethod
+    def set(msg: np.ndarray, out: np.ndarray) -> None:
+        out[...] = msg.view(np.float32)
 
 
-def _raw_decode(msg: np.ndarray, count: int) -> np.ndarray:
-    return msg.view(np.float32)
+class _CompressorCodec:
+    """Chunks as a compressor's packed payload. With error feedback, what each encoding
+    drops (data - decoded) is added to `err` at the chunk's positions."""
+
+    def __init__(self, c: Compressor, err):
+        self.c, self.err = c, err
+        self.dtypes = [a.dtype for a in c.encode(np.zeros(0, np.float32), None)[0]]
+
+    def encode(self, lo: int, data: np.ndarray) -> np.ndarray:
+        msg = pack(self.c.encode(np.ascontiguousarray(data), None)[0])
+        if self.err is not None:
+            e = self.err[lo:lo + data.shape[0]]
+            e += data
+            e -= self.c.decompress(unpack(msg, self.dtypes), {"n": data.shape[0]})
+        return msg
+
+    def add(self, msg: np.ndarray, out: np.ndarray) -> None:
+        self.c.decode_add(unpack(msg, self.dtypes), {"n": out.shape[0]}, out)
+
+    def set(self, msg: np.ndarray, out: np.ndarray) -> None:
+        out[...] = 0
+        self.add(msg, out)
 
 
 class Handle:
@@ -321,7 +353,7 @@ class CompressedAllreduce:
             work = xp.ascontiguousarray(grad, dtype=np.float32)
             if state[1] < self.warmup_steps:
                 # warm-up: the uncompressed float32 ring
-                out = xp.asarray(ring.allreduce(to_numpy(work).copy(), _raw_encode, _raw_decode))
+                out = xp.asarray(ring.allreduce(to_numpy(work).copy(), _RawCodec))
             elif self.algorithm == "gather":
                 out = self._gather(ring, state[0], work, layout)
             elif self.algorithm == "ring":
@@ -354,18 +386,7 @@ class CompressedAllreduce:
         equal the sum of the inputs, as with a gather."""
         host = np.array(to_numpy(c._begin(x, None)), dtype=np.float32)   # + residual
         err = np.zeros_like(host) if c.error_feedback else None
-        dtypes = [a.dtype for a in c.encode(host[:0], None)[0]]
-
-        def decode(msg, count):
-            return c.decompress(unpack(msg, dtypes), {"n": count})
-
-        def encode(lo, data):
-            msg = pack(c.encode(np.ascontiguousarray(data), None)[0])
-            if err is not None:
-                err[lo:lo + data.shape[0]] += data - decode(msg, data.shape[0])
-            return msg
-
-        ring.allreduce(host, encode, decode)
+        ring.allreduce(host, _CompressorCodec(c, err))
         xp = get_array_module(x)
         if err is not None:
             c.residual = xp.asarray(err)
@@ -378,7 +399,7 @@ class CompressedAllreduce:
 
         def allreduce_sum(a):
             return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
-                                             _raw_encode, _raw_decode))
+                                             _RawCodec))
 
         return c.reduce(x, layout, allreduce_sum)
 

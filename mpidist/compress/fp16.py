@@ -53,9 +53,14 @@ class FP16(Compressor):
 
     def decode_add(self, payload, ctx, out) -> None:
         half, k = payload
+        k = int(k[0])
         xp = get_array_module(half)
-        # x = float16(x * 2**k) * 2**-k; ldexp keeps 2**-k exact for any k
-        out += xp.ldexp(half.view(np.float16).astype(np.float32), -int(k[0]))
+        # x = float16(x * 2**k) * 2**-k: a float32 multiply is exact while every result
+        # stays normal (|fp16| >= 2**-24, so k <= 102); ldexp beyond that
+        if -126 <= k <= 102:
+            out += half.view(np.float16).astype(np.float32) * np.float32(2.0 ** -k)
+        else:
+            out += xp.ldexp(half.view(np.float16).astype(np.float32), -k)
 
 
 class BF16(Compressor):
