@@ -104,6 +104,30 @@ def test_evaluate_before_training_uses_the_initial_model(comm, stage):
     assert eng.memory_report().in_flight == 0
 
 
+def test_fp16_parameters_with_fp32_masters(comm):
+    xs, ys = batches()
+    ref, _ = data_parallel(mlp(), "adamw", np.float16, comm, xs, ys)
+    for stage in (1, 3):
+        _, got, _ = train_zero(stage, mlp(), "adamw", np.float16, comm, xs, ys)
+        assert rel(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(comm, stage):
+    xs, ys = batches(steps=2)
+    lo, n = chunk(BATCH, comm.rank, comm.size)
+    eng = build_zero(stage, mlp(), make_opt("adamw"), comm=comm, seed=0)
+    eng.train_step(xs[0][lo:lo + n], ys[0][lo:lo + n], global_count=BATCH)
+    before = eng.full_params()
+    x = xs[1][lo:lo + n].copy()
+    if comm.rank == comm.size - 1:
+        x[0, 0] = np.inf                          # one rank's gradient becomes non-finite
+    with np.errstate(all="ignore"):
+        m = eng.train_step(x, ys[1][lo:lo + n], global_count=BATCH)
+    assert m["skipped"] and eng.optimizer.step_count == 1
+    assert np.array_equal(eng.full_params(), before)
+
+
 def test_stage3_transformer_with_nested_layers(comm):
     """GPT: embeddings, attention (Linear children), layer norms; backward order != layout order."""
     def gpt():
