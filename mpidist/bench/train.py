@@ -82,7 +82,7 @@ def _worker(args) -> dict:
     rng = np.random.default_rng(comm.rank)
     x = rng.normal(size=(args.batch, IN)).astype(np.float32)
     y = rng.integers(0, CLASSES, args.batch)
-    model = MLP(IN, CLASSES, hidden=[args.hidden, args.hidden])
+    model = MLP(IN, CLASSES, hidden=[args.hidden, args.hidden]).no_input_grad()
     layout, params, grads = materialize(model, seed=0)
     ce = SoftmaxCrossEntropy()
     scale = 1.0 / (args.batch * comm.size)

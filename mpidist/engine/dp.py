@@ -28,7 +28,7 @@ class DataParallel(Strategy):
     def __init__(self, config: dict, comm, meta: dict):
         super().__init__(config, comm, meta)
         p = config["parallel"]
-        self.model = build_model_from_config(config, meta)
+        self.model = build_model_from_config(config, meta).no_input_grad()
         self.xp = np
         if config["job"]["device"] == "gpu":
             from mpidist.kernels.backend import cupy

@@ -81,6 +81,10 @@ class Conv2d(Module):
         dy2 = dy.transpose(1, 0, 2, 3).reshape(self.cout, -1)       # (out, N*OH*OW)
         self.g["weight"] += (dy2 @ self._cols.T).reshape(self.g["weight"].shape)
         self.g["bias"] += dy2.sum(axis=1)
+        if not self.input_grad:
+            self._cols = None
+            self._grads_ready()
+            return None
         dcols = self.p["weight"].reshape(self.cout, -1).T @ dy2      # (C*k*k, N*OH*OW)
         dcols = dcols.reshape(-1, n, oh * ow).transpose(1, 0, 2).reshape(n, self.cin, self.k, self.k, oh, ow)
         self._cols = None

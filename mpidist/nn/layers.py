@@ -57,7 +57,7 @@ class Linear(Module):
         self.g["weight"] += x2.T @ dy2
         if self.has_bias:
             self.g["bias"] += dy2.sum(axis=0)
-        dx = dy @ self.p["weight"].T
+        dx = dy @ self.p["weight"].T if self.input_grad else None
         self._x = None
         self._grads_ready()
         return dx

@@ -62,7 +62,8 @@ class CNN(Module):
         return self.body.forward(x.reshape(x.shape[0], *self.in_shape), train)
 
     def backward(self, dy):
-        return self.body.backward(dy).reshape(self._in)
+        dx = self.body.backward(dy)
+        return None if dx is None else dx.reshape(self._in)
 
 
 class Block(Module):

@@ -10,6 +10,7 @@ the optimizer and the allreduce work on the flat buffers, the layers on the view
     y = model.forward(x, train=True)
     dx = model.backward(dy)                          # ACCUMULATES into the grad views
     model.set_grad_hook(fn)                          # fn(names) once those grads are final
+    model.no_input_grad()                            # inputs are data: skip d(input), return None
 
 Backward runs in reverse layer order, so grad-ready reports arrive from the end of the flat
 buffer towards its start; the DistributedOptimizer launches each gradient bucket from them.
@@ -33,6 +34,7 @@ class Module:
         self.g: dict = {}
         self._hook = None
         self._full_names: list[str] = []
+        self.input_grad = True          # False: backward returns None, skipping d(input)
 
     # -- declaration ------------------------------------------------------------------
     def add_param(self, name: str, shape) -> None:
@@ -94,6 +96,17 @@ class Module:
         if self._hook is not None and self._full_names:
             self._hook(self._full_names)
 
+    def no_input_grad(self) -> Module:
+        """The model's inputs are data: its first layer skips computing their gradient.
+
+        Containers pass this to their first child; a layer with no cheaper path ignores it.
+        backward() then returns None.
+        """
+        self.input_grad = False
+        if self._children:
+            self._children[0][1].no_input_grad()
+        return self
+
     # -- compute ----------------------------------------------------------------------
     def forward(self, x, train: bool = True):
         raise NotImplementedError(f"{type(self).__name__} must define forward")
@@ -132,7 +145,7 @@ class Sequential(Module):
     def backward(self, dy):
         for layer in reversed(self.layers):
             dy = layer.backward(dy)
-        return dy
+        return dy if self.input_grad else None
 
 
 def materialize(model: Module, *, dtype=np.float32, xp=np, seed: int = 0):

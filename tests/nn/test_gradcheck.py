@@ -192,3 +192,21 @@ def test_bind_and_registry_errors():
         nn.build_model("mlp", in_features=3, out_features=2, depth=4)
     with pytest.raises(ValueError, match="divisible"):
         nn.CausalSelfAttention(6, 4)
+
+
+@pytest.mark.parametrize("name,kw,shape", [
+    ("mlp", dict(in_features=6, out_features=4, hidden=[5]), (3, 6)),
+    ("cnn", dict(in_shape=(2, 4, 4), out_features=3, channels=[2]), (2, 32)),
+])
+def test_no_input_grad_gives_the_same_parameter_gradients(name, kw, shape):
+    x = np.random.default_rng(14).normal(size=shape)
+    grads = []
+    for skip in (False, True):
+        model = nn.build_model(name, **kw)
+        _, _, g = nn.materialize(model, dtype=np.float64, seed=2)
+        if skip:
+            model.no_input_grad()
+        dx = model.backward(np.ones_like(model.forward(x)))
+        assert (dx is None) == skip
+        grads.append(g.data.copy())
+    assert np.array_equal(grads[0], grads[1])
