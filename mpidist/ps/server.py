@@ -116,6 +116,9 @@ class ShardServer:
         idle = Backoff(self.timeout, "a push from any worker")
         while True:
             check_abort(wins)
+            # FIN before TICKET: a worker sets FIN after its last ticket, so "all finished
+            # and no open ticket" seen in this order means every push has been drained
+            fin = wins.read_words(self.me, self.layout.fin, W)
             word = wins.read(self.me, TICKET)
             epoch, entries = unpack_ticket(word)
             if self.consistency.model == "bsp" and entries > W:
@@ -128,7 +131,6 @@ class ShardServer:
                 self._update(epoch & 1, entries)
                 idle.reset()
                 continue
-            fin = wins.read_words(self.me, self.layout.fin, W)
             if entries == 0 and (fin > 0).all():
                 self._check_totals(fin - 1)
                 return self.stats
