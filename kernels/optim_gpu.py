@@ -25,6 +25,7 @@ import numpy as np
 from numba import config as numba_config, cuda, float32, float64
 
 from mpidist.kernels.backend import cupy as _cupy, get_array_module
+from mpidist.kernels.optim_cpu import segment_totals
 
 __all__ = ["CuPyKernels", "NumbaCudaKernels", "adam_consts", "gpu_chunks", "GPU_CHUNK", "THREADS"]
 
@@ -50,12 +51,6 @@ def adam_consts(gscale, b1, b2, eps, bc1, bc2):
     rounded once from the float64 hyperparameters (as optim_cpu._adam_consts)."""
     f = np.float32
     return (f(gscale), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2), f(bc1), f(bc2), f(eps))
-
-
-def _totals(partials, seg, nseg):
-    out = np.zeros((nseg, partials.shape[1]), np.float64)
-    np.add.at(out, seg, partials)
-    return out
 
 
 # ------------------------------------------------------------------------------------ CuPy
@@ -201,7 +196,7 @@ class CuPyKernels:
         out = self.cp.zeros((nchunk, k), np.float64)
         if nchunk:
             kernel((nchunk,), (THREADS,), args + (out,))
-        return _totals(out.get(), self.seg_host, self.nseg)
+        return segment_totals(out.get(), self.seg_host, self.nseg)
 
     def sumsq_pg(self, p, g, gscale):
         return self._sums(self.sumsq, 2, (p, g, np.float32(gscale), self.lo, self.hi))
@@ -382,7 +377,7 @@ class NumbaCudaKernels:
         out = cuda.device_array((self.nchunk, k), np.float64)
         if self.nchunk:
             kernel[self.nchunk, self.threads](*args, out)
-        return _totals(out.copy_to_host(), self.seg_host, self.nseg)
+        return segment_totals(out.copy_to_host(), self.seg_host, self.nseg)
 
     def sumsq_pg(self, p, g, gscale):
         return self._sums(_cu_sumsq_pg, 2, (p, g, np.float32(gscale), self.lo, self.hi))

@@ -66,7 +66,6 @@ class Plan:
             seg.append(np.full(starts.shape, s, np.int64))
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
         self.lo, self.hi, self.seg = cat(lo), cat(hi), cat(seg)
-        self.segments = np.unique(self.pseg)     # layout segments that touch the range
 
 
 def check_lr(lr):

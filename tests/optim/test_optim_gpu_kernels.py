@@ -3,7 +3,6 @@
 numba.cuda kernels: under Numba's CUDA simulator, in a subprocess that sets
 NUMBA_ENABLE_CUDASIM=1 before numba is imported (tiny sizes: the simulator runs each thread
 in Python). CuPy and numba.cuda kernels on CuPy arrays: on a real GPU (marked gpu)."""
-import os
 import subprocess
 import sys
 import textwrap
