@@ -24,7 +24,8 @@ import ml_dtypes
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
 
-__all__ = ["Optimizer", "LayerwiseOptimizer", "StepInfo", "Plan", "DEFAULT_EXCLUDE", "PARAM_DTYPES", "BACKENDS"]
+__all__ = ["Optimizer", "LayerwiseOptimizer", "StepInfo", "Plan", "DEFAULT_EXCLUDE",
+           "PARAM_DTYPES", "BACKENDS"]
 
 # Names of tensors that layer-wise optimizers leave out of weight decay and trust-ratio
 # adaptation by default: biases and normalisation parameters (fnmatch patterns, full name).
@@ -115,8 +116,10 @@ def check_eps(eps) -> float:
 
 def match_names(layout: Layout, patterns) -> np.ndarray:
     """bool per layout segment: its name matches one of the fnmatch patterns."""
-    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"exclude must be a sequence of name patterns (str), got {patterns!r}")
+    if isinstance(patterns, str) or not isinstance(patterns, (tuple, list)) or \
+            not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"exclude must be a tuple or list of name patterns (str), "
+                        f"got {patterns!r}")
     return np.array([any(fnmatch.fnmatchcase(n, p) for p in patterns) for n in layout.names],
                     dtype=bool)
 
@@ -134,10 +137,10 @@ class Optimizer(abc.ABC):
                  backend: str = "auto"):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a mpidist.flat.Layout, got {type(layout).__name__}")
-        count = layout.numel - offset if count is None else count
-        for what, v in (("offset", offset), ("count", count)):
+        for what, v in (("offset", offset), ("count", 0 if count is None else count)):
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
                 raise ValueError(f"{what} must be an integer >= 0, got {v!r}")
+        count = layout.numel - offset if count is None else count
         if offset + count > layout.numel:
             raise ValueError(f"range [{offset}, {offset + count}) exceeds the layout's "
                              f"{layout.numel} elements")
