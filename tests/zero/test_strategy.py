@@ -85,26 +85,41 @@ def test_zero_strategy_checks_its_keys(comm):
         validate({"parallel": {"strategy": "zero", "stage": 4}})
 
 
-@pytest.mark.launcher
-@pytest.mark.timeout(300)
-def test_main_job_model_trains_with_stage_3(tmp_path):
-    """jobs/digits_zero3.toml on 4 ranks reaches the main job's >= 95% test accuracy."""
-    out = tmp_path / "out"
-    job = os.path.abspath(os.path.join(ROOT, "jobs", "digits_zero3.toml"))
-    proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", job,
+def _train(job, out, tmp_path):
+    proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", str(job),
                             "--set", f"job.out_dir='{out}'", "--set", "job.progress=false",
                             "--set", "job.plot=false", "--set", f"data.cache_dir='{tmp_path}'",
-                            "--set", f"checkpoint.dir='{tmp_path / 'ckpt'}'"],
+                            "--set", f"checkpoint.dir='{out / 'ckpt'}'"],
                         timeout=280, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    return proc, json.loads((out / "summary.json").read_text()), rows
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(600)
+def test_main_job_model_trains_with_stage_3_like_data_parallel(tmp_path):
+    """jobs/digits_zero3.toml on 4 ranks: >= 95% test accuracy, and the same run as its
+    data-parallel twin (the same file with strategy = "dp") to float tolerance."""
+    job = os.path.abspath(os.path.join(ROOT, "jobs", "digits_zero3.toml"))
+    text = open(job).read()
+    assert 'strategy = "zero"\nstage = 3\n' in text
+    twin = tmp_path / "digits_dp.toml"
+    twin.write_text(text.replace('strategy = "zero"\nstage = 3\n',
+                                 'strategy = "dp"\nalgorithm = "ring"\n'))
+    proc, summary, rows = _train(job, tmp_path / "zero3", tmp_path)
+    _, dp_summary, dp_rows = _train(twin, tmp_path / "dp", tmp_path)
     assert summary["strategy"] == "zero" and summary["test_accuracy"] >= 0.95
+    assert summary["test_accuracy"] == dp_summary["test_accuracy"]
+    assert summary["test_loss"] == pytest.approx(dp_summary["test_loss"], rel=1e-5)
+    losses = [r["loss"] for r in rows if r["event"] == "step"]
+    assert losses == pytest.approx([r["loss"] for r in dp_rows if r["event"] == "step"], rel=1e-5)
+
     assert proc.stderr.count("memory at start: rank") == 4, proc.stderr[-3000:]
     numel = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
     # rank 0's shard of fp32 params + grads + LAMB's two moments: 16 bytes / 4 per parameter
-    assert summary["memory"]["params"] + summary["memory"]["grads"] + \
-        summary["memory"]["optim"] == 16 * -(-numel // 4)
-    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    mem = summary["memory"]
+    assert mem["params"] + mem["grads"] + mem["optim"] == 16 * -(-numel // 4)
     steps = [r for r in rows if r["event"] == "step"]
     assert len(steps) == summary["steps"]
     assert all(r["mem_model_states"] == 16 * -(-numel // 4) for r in steps)   # in the metrics
