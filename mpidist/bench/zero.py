@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{z3['peak_mib']:.1f} MiB); largest model in budget: dp "
               f"{dp['max_params_in_budget'] / 1e6:.1f}M, zero-3 "
               f"{z3['max_params_in_budget'] / 1e6:.1f}M "
-              f"({z3['max_params_in_budget'] / dp['max_params_in_budget']:.2f}x)")
+              f"({z3['max_params_in_budget'] / dp['max_params_in_budget']:.2f}x with work "
+              f"buffers and buffers in flight; {dp['bytes_per_param'] / z3['bytes_per_param']:.2f}x "
+              f"counting model states alone, N = {n})")
     _write(args.out, rows, args, n)
     comm.free()
     return 0
