@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
 from mpidist.comm import as_communicator
 from mpidist.errors import MismatchError

@@ -90,7 +90,6 @@ class Windows:
             self.free()
             raise
         self.rank = comm.Get_rank()
-        self._one = np.ones(1, np.int64)
         self._res = np.zeros(1, np.int64)
 
     def _zero_own_memory(self, ctrl_words: int, data_words: int) -> None:

@@ -5,7 +5,6 @@ import os
 import sys
 import tempfile
 
-import numpy as np
 import pytest
 
 from mpidist import launcher
