@@ -25,8 +25,22 @@ _TAG = 301
 
 
 def segment_bytes() -> int:
-    """Bytes per pipelined segment (env MPIDIST_SEGMENT_BYTES, default 256 KiB)."""
-    return int(os.environ.get("MPIDIST_SEGMENT_BYTES", 1 << 18))
+    """Bytes per pipelined segment (env MPIDIST_SEGMENT_BYTES, default 1 MiB).
+
+    Without a single-copy transport or an MPI progress thread, a segment moves only while
+    both neighbours are inside MPI calls and each one costs a rendezvous handshake, so
+    segments stay large enough for that to be small against the copy and the reduction.
+    """
+    value = os.environ.get("MPIDIST_SEGMENT_BYTES")
+    if not value:
+        return 1 << 20
+    try:
+        seg = int(value)
+    except ValueError:
+        seg = 0
+    if seg < 1:
+        raise ValueError(f"MPIDIST_SEGMENT_BYTES must be a positive number of bytes, got {value!r}")
+    return seg
 
 
 def _segments(count: int, seg: int):
@@ -36,22 +50,34 @@ def _segments(count: int, seg: int):
 def _ring_pass(mpi, nsteps: int, first, recv_target, process, seg: int) -> None:
     """Run `nsteps` ring steps. Step 0 sends `first` to the right; step t receives from the
     left into recv_target(t) segment by segment, calls process(t, lo, hi) on each segment
-    and sends what it returns to the right as part of step t+1."""
+    and sends what it returns to the right as part of step t+1.
+
+    From step 1 on, the receives of step t+1 are posted when step t starts, so the left
+    neighbour's forwarded segments find a posted receive (three scratch buffers rotate in
+    the reduce-scatter). Buffer safety: when step t starts, every send up to step t-1 has
+    completed, and step t+1 writes a chunk that no pending send of step t reads.
+    """
     rank, size = mpi.Get_rank(), mpi.Get_size()
     left, right = (rank - 1) % size, (rank + 1) % size
-    sends = [mpi.Isend(first[lo:hi], right, _TAG) for lo, hi in _segments(len(first), seg)]
-    for t in range(nsteps):
+
+    def post(t):
         dst = recv_target(t)
         segs = _segments(len(dst), seg)
-        recvs = [mpi.Irecv(dst[lo:hi], left, _TAG) for lo, hi in segs]
+        return [mpi.Irecv(dst[lo:hi], left, _TAG) for lo, hi in segs], segs
+
+    sends = [mpi.Isend(first[lo:hi], right, _TAG) for lo, hi in _segments(len(first), seg)]
+    recvs = post(0) if nsteps else None
+    for t in range(nsteps):
+        ahead = post(t + 1) if 1 <= t < nsteps - 1 else None
         forward = []
-        for req, (lo, hi) in zip(recvs, segs):
+        for req, (lo, hi) in zip(*recvs):
             req.Wait()
             out = process(t, lo, hi)
             if t + 1 < nsteps:
                 forward.append(mpi.Isend(out, right, _TAG))
         MPI.Request.Waitall(sends)   # step t's sends: their buffers may be reused next step
         sends = forward
+        recvs = ahead if ahead is not None else post(t + 1) if t + 1 < nsteps else None
     MPI.Request.Waitall(sends)
 
 
@@ -67,20 +93,20 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
         if not same_view(shard, sendbuf):
             shard[...] = sendbuf
     else:
-        work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in (0, 1)]
+        work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
         chunk_of = [(r - t - 1) % p for t in range(p)]   # chunk sent at step t
 
         def target(t):
-            return work[t % 2][:counts[chunk_of[t + 1]]]
+            return work[t % 3][:counts[chunk_of[t + 1]]]
 
         def process(t, lo, hi):
             c = chunk_of[t + 1]
             mine = sendbuf[displs[c] + lo:displs[c] + hi]
             if t == p - 2:                               # chunk c == r: the final result
-                reduce_into(op, work[t % 2][lo:hi], mine, shard[lo:hi])
+                reduce_into(op, work[t % 3][lo:hi], mine, shard[lo:hi])
                 return None
-            reduce_into(op, work[t % 2][lo:hi], mine, work[t % 2][lo:hi])
-            return work[t % 2][lo:hi]
+            reduce_into(op, work[t % 3][lo:hi], mine, work[t % 3][lo:hi])
+            return work[t % 3][lo:hi]
 
         c0 = chunk_of[0]
         _ring_pass(mpi, p - 1, sendbuf[displs[c0]:displs[c0] + counts[c0]], target, process, seg)
@@ -125,20 +151,20 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
             recvbuf[...] = sendbuf
         return recvbuf
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
-    work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in (0, 1)]
+    work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
     chunk_of = [(r - t - 1) % p for t in range(2 * p - 1)]   # chunk sent at step t
 
     def target(t):
         c = chunk_of[t + 1]
         if t < p - 1:                        # 1. reduce-scatter: partial sums arrive in scratch
-            return work[t % 2][:counts[c]]
+            return work[t % 3][:counts[c]]
         return recvbuf[displs[c]:displs[c] + counts[c]]   # 2. allgather: final chunks
 
     def process(t, lo, hi):
         c = chunk_of[t + 1]
         if t >= p - 1:
             return recvbuf[displs[c] + lo:displs[c] + hi]
-        got = work[t % 2][lo:hi]
+        got = work[t % 3][lo:hi]
         mine = sendbuf[displs[c] + lo:displs[c] + hi]
         if t < p - 2:
             reduce_into(op, got, mine, got)

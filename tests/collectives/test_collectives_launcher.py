@@ -31,7 +31,9 @@ if c.rank == 0:
 
 
 def _run(n, argv, tmp_path, extra_env=None):
-    env = mpi_env(n)
+    # a pytest started by mpiexec -n 1 must not hand its own job's identity to the child
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMIX_", "OMPI_"))}
+    env = mpi_env(n, base)
     env["MPIDIST_CACHE_DIR"] = str(tmp_path / "cache")
     env.update(extra_env or {})
     return subprocess.run(mpiexec_argv(n, argv), env=env, capture_output=True, text=True,
