@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "sign_encode",
+__all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode", "sign_encode",
            "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "hash_uniform",
            "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add",
            "qsgd_width"]
@@ -126,6 +126,22 @@ def fp16_encode(bits, k, out):
     """out[i] = float16(x[i] * 2**k), round to nearest even (bits: x viewed as uint32)."""
     for i in range(bits.size):
         out[i] = _f16_bits(bits[i], k)
+
+
+@njit(cache=True)
+def fp16_decode_add(half, pow2, out):
+    """out[i] += float16 bits half[i] as a number times 2**-k: mantissa (with the implicit
+    1024 for normal numbers) times pow2[exponent] (= 2**(e - 25 - k), pow2[0] = 2**(-24 - k)),
+    exact in float64 and rounded once to float32."""
+    for i in range(half.size):
+        h = np.int64(half[i])
+        e = (h >> 10) & 0x1F
+        m = h & 0x3FF
+        if e == 31:
+            v = np.inf if m == 0 else np.nan
+        else:
+            v = (m + 1024 if e else m) * pow2[e]
+        out[i] += np.float32(-v if h & 0x8000 else v)
 
 
 @njit(cache=True)

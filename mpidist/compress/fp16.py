@@ -55,10 +55,11 @@ class FP16(Compressor):
         half, k = payload
         k = int(k[0])
         xp = get_array_module(half)
-        # x = float16(x * 2**k) * 2**-k: a float32 multiply is exact while every result
-        # stays normal (|fp16| >= 2**-24, so k <= 102); ldexp beyond that
-        if -126 <= k <= 102:
-            out += half.view(np.float16).astype(np.float32) * np.float32(2.0 ** -k)
+        # x = float16(x * 2**k) * 2**-k
+        if xp is np:
+            pow2 = np.ldexp(1.0, np.arange(32) - 25 - k)
+            pow2[0] = pow2[1]                  # subnormals: m * 2**(-24 - k)
+            kernels_for(out).fp16_decode_add(half, pow2, out)
         else:
             out += xp.ldexp(half.view(np.float16).astype(np.float32), -k)
 

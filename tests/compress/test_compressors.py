@@ -46,6 +46,17 @@ def test_fp16_kernel_bit_exact_against_numpy():
         assert np.array_equal(out, (x * np.float32(8)).astype(np.float16).view(np.uint16))
 
 
+@pytest.mark.parametrize("k", [0, 7, -3, 110])
+def test_fp16_decode_kernel_exhaustive(k):
+    """Every float16 bit pattern decodes to exactly float32(value * 2**-k)."""
+    half = np.arange(2**16, dtype=np.uint16)
+    out = np.zeros(half.size, np.float32)
+    make_compressor("fp16").decode_add((half, np.array([k], np.int32)), {"n": half.size}, out)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        ref = (half.view(np.float16).astype(np.float64) * 2.0**-k).astype(np.float32)
+    assert np.array_equal(out, ref, equal_nan=True)
+
+
 def test_bf16_round_trip_bound_and_bit_exact():
     x = np.concatenate([grad(20000, 3), [0.0, 1e-40, 3e38]]).astype(np.float32)
     c = make_compressor("bf16")
