@@ -59,15 +59,16 @@ def _to_acc(c, x):
 
 
 def _store(c, src, dst, widened: bool) -> None:
-    """Copy an MPI-side result src back into the caller's dst (narrowing half precision)."""
+    """Copy an MPI-side result src into the caller's dst (narrowing half precision, back
+    to the device for staged CuPy data); nothing when src is dst."""
+    if same_view(src, dst):
+        return
     if widened:
         src = src.astype(dst.dtype)
-        if is_cupy(dst) and not is_cupy(src):
-            dst.set(src)
-        else:
-            dst[...] = src
-        return
-    c.from_mpi(src, dst)
+    if is_cupy(dst) and not is_cupy(src):
+        dst.set(src)
+    else:
+        dst[...] = src
 
 
 def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):

@@ -31,5 +31,7 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
 def allgather(comm, shard, out):
     """MPI_Allgatherv with the chunk() counts and displacements."""
     counts, displs = counts_displs(len(out), comm.size)
-    comm.comm.Allgatherv(shard, [out, counts, displs, None])
+    mine = out[displs[comm.rank]:displs[comm.rank] + counts[comm.rank]]
+    send = MPI.IN_PLACE if same_view(shard, mine) else shard     # MPI forbids aliasing
+    comm.comm.Allgatherv(send, [out, counts, displs, None])
     return out

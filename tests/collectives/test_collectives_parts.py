@@ -32,13 +32,16 @@ def test_reduce_scatter_then_allgather(comm, algorithm):
     assert not bad, bad[:5]
 
 
-def test_reduce_scatter_in_place_into_own_chunk(comm):
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_in_place_into_own_chunk(comm, algorithm):
     n = 4 * comm.size + 3
     x = np.arange(n, dtype=np.float64) + comm.rank
     off, cnt = chunk(n, comm.rank, comm.size)
     expect = (np.arange(n, dtype=np.float64) * comm.size + sum(range(comm.size)))[off:off + cnt]
-    got = reduce_scatter(x, comm=comm, out=x[off:off + cnt])
+    got = reduce_scatter(x, comm=comm, out=x[off:off + cnt], algorithm=algorithm)
     assert np.array_equal(got, expect) and np.array_equal(x[off:off + cnt], expect)
+    full = allgather(x[off:off + cnt], comm=comm, out=x, algorithm=algorithm)  # ZeRO's pattern
+    assert full is x and np.array_equal(x, np.arange(n) * comm.size + sum(range(comm.size)))
 
 
 def test_allgather_rejects_shards_off_the_partition(comm):
