@@ -71,7 +71,7 @@ def test_buckets_launch_during_backward(comm):
     dopt.attach(model)
     assert len(dopt.buckets) > 2 and dopt.buckets[0][1] == layout.numel
     model.backward(model.forward(np.ones((3, 10), np.float32)) * 0 + 1)
-    assert dopt.in_flight == len(dopt.buckets)
+    assert dopt.in_flight == (len(dopt.buckets) if comm.size > 1 else 0)   # one rank sends nothing
     info = dopt.step()
     assert info["applied"] and not info["skipped"] and dopt.in_flight == 0
 
