@@ -2,6 +2,7 @@
 mpiexec jobs through mpidist.launcher (marked `launcher`: run once, in the one-rank session)."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -85,9 +86,11 @@ def test_sigterm_mid_run_checkpoints_and_exits_cleanly_on_every_rank(tmp_path, c
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == REQUEUE_EXIT_CODE, out[-3000:]
-    said = [line for line in out.splitlines() if "preempted by signal" in line]
-    assert sorted(line.split(":")[0] for line in said) == ["rank 0", "rank 1", "rank 2"], out[-3000:]
-    steps = {line.split("checkpoint at step ")[1].split(",")[0] for line in said}
+    notes = "".join((tmp_path / f"preempted.{r}").read_text() for r in range(3)
+                    if (tmp_path / f"preempted.{r}").exists())
+    said = re.findall(r"rank (\d+): preempted by signal \S+, checkpoint at step (\d+)", notes)
+    assert sorted(r for r, _ in said) == ["0", "1", "2"], notes + out[-3000:]
+    steps = {step for _, step in said}
     assert len(steps) == 1                        # every rank stopped after the same step
     mgr = CheckpointManager(str(tmp_path), comm=comm)
     assert mgr.steps() == [int(steps.pop())]

@@ -7,7 +7,8 @@ holds both kinds of tensor and resuming on another rank count must reshard.
 
 Every step uses a global batch drawn from a generator seeded by (seed, step), split by rows
 over the ranks, so the trajectory does not depend on the world size (up to summation order).
-Resumes from the newest good checkpoint in --dir; SIGTERM/SIGUSR1 -> checkpoint and exit 75.
+Resumes from the newest good checkpoint in --dir; SIGTERM/SIGUSR1 -> checkpoint, a note in
+DIR/preempted.<rank>, exit 75.
 Rank 0 writes --out (JSON: final weights, losses, where it resumed from).
 """
 from __future__ import annotations
@@ -98,8 +99,12 @@ def main(argv=None) -> int:
             if pre.should_stop():
                 if done % a.every and done != a.steps:
                     save(done)
-                print(f"rank {comm.rank}: preempted by signal {pre.received}, checkpoint at "
-                      f"step {done}, exiting {REQUEUE_EXIT_CODE}", flush=True)
+                note = (f"rank {comm.rank}: preempted by signal {pre.received}, checkpoint at "
+                        f"step {done}, exiting {REQUEUE_EXIT_CODE}\n")
+                sys.stdout.write(note)
+                sys.stdout.flush()
+                with open(os.path.join(a.dir, f"preempted.{comm.rank}"), "a") as fh:
+                    fh.write(note)       # mpiexec may drop the others' output when one exits
                 status = REQUEUE_EXIT_CODE
                 break
             if a.stop_at == done:

@@ -1,0 +1,154 @@
+"""The slurm/ scripts on a real single-node SLURM (Debian's slurmctld, slurmd and munge),
+started by the repository's own slurm/start_local.sh. If the scheduler cannot be started the
+tests fail: they never skip. Jobs are short; every wait has a timeout.
+
+Marked `launcher`: they submit jobs that start their own MPI processes, so they run once, in
+the single-rank session.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mpidist.launcher import mpi_env, mpiexec_argv
+
+pytestmark = pytest.mark.launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOY = os.path.join("tests", "checkpoint", "toyjob.py")
+
+
+def sh(*argv, timeout=60, check=True):
+    # env: os.environ as Python saw it at start-up, without the PMIx/Open MPI variables the
+    # singleton MPI_Init of this process put into the C environment (a job inheriting them
+    # would take its mpiexec for a singleton)
+    proc = subprocess.run(list(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
+    if check:
+        assert proc.returncode == 0, f"{argv}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    """Start the local SLURM with slurm/start_local.sh (idempotent); stop it afterwards if
+    this fixture was the one that started it."""
+    running = subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0 \
+        if _have("sinfo") else False
+    proc = subprocess.run(["bash", "slurm/start_local.sh"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ))
+    assert proc.returncode == 0, f"slurm/start_local.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    yield
+    if not running:
+        subprocess.run(["bash", "slurm/stop_local.sh"], cwd=ROOT, timeout=60)
+
+
+def _have(exe):
+    return any(os.access(os.path.join(d, exe), os.X_OK) for d in os.environ["PATH"].split(":"))
+
+
+def job(jid) -> dict:
+    out = sh("scontrol", "show", "job", "-o", str(jid)).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def wait_job(jid, states, timeout, what):
+    t0 = time.time()
+    while True:
+        info = job(jid)
+        if info["JobState"] in states:
+            return info
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"job {jid} still {info['JobState']} after {timeout} s "
+                                 f"(waiting for {what}); reason {info.get('Reason')}")
+        time.sleep(0.3)
+
+
+def test_sbatch_srun_and_mpiexec_in_an_allocation(scheduler, tmp_path):
+    out = tmp_path / "wrap.out"
+    sh("sbatch", "--wait", "-n", "2", "-O", "-o", str(out), "--wrap",
+       f"srun -n 2 hostname && {sys.executable} -m mpidist.launcher -n 3 -- {sys.executable} -c "
+       "'import sys; from mpi4py import MPI; sys.stdout.write(\"size %d\\n\" % MPI.COMM_WORLD.size)'",
+       timeout=120)
+    text = out.read_text()
+    assert text.split("\n").count(os.uname().nodename) == 2, text
+    assert text.count("size 3\n") == 3, text
+
+
+def test_single_node_script(scheduler, tmp_path):
+    log = tmp_path / "single.out"
+    sh("sbatch", "--wait", "-n", "3", "-O", "-o", str(log), "slurm/single_node.sbatch",
+       sys.executable, TOY, "--dir", str(tmp_path / "ck"), "--steps", "6",
+       "--out", str(tmp_path / "out.json"), timeout=180)
+    assert "ranks per node 3" in log.read_text()
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world_size"] == 3 and len(out["losses"]) == 6
+
+
+def test_multi_node_script_launches_with_srun_pmix(scheduler, tmp_path):
+    log = tmp_path / "multi.out"
+    sh("sbatch", "--wait", "-N", "1", "--ntasks-per-node", "2", "-o", str(log),
+       "slurm/multi_node.sbatch", sys.executable, TOY, "--dir", str(tmp_path / "ck"),
+       "--steps", "6", "--out", str(tmp_path / "out.json"), timeout=180)
+    assert "ranks per node 2" in log.read_text()
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world_size"] == 2 and len(out["losses"]) == 6
+
+
+def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path):
+    """SIGUSR1 to the batch script (what --signal=B:USR1@T sends before the time limit):
+    the ranks checkpoint and exit 75, the script requeues, the job resumes and ends on the
+    same trajectory as a run never interrupted."""
+    ck, log = tmp_path / "ck", tmp_path / "requeue.out"
+    steps = "30"
+    jid = sh("sbatch", "--parsable", "-n", "2", "-O", "-o", str(log), "slurm/requeue.sbatch",
+             sys.executable, TOY, "--dir", str(ck), "--steps", steps, "--every", "5",
+             "--sleep", "0.2", "--out", str(tmp_path / "out.json")).stdout.strip()
+    try:
+        t0 = time.time()
+        while not (ck / "ckpt-00000005.h5").exists():
+            assert time.time() - t0 < 120, f"no checkpoint yet:\n{log.read_text() if log.exists() else ''}"
+            time.sleep(0.2)
+        sh("scancel", "--batch", "--signal=USR1", jid)
+        info = wait_job(jid, ("PENDING",), 90, "the requeue")
+        assert info["Restarts"] == "1"
+        # SLURM holds a requeued job ~2 minutes (BeginTime); release it (after the second in
+        # which the old credential was revoked, or slurmd refuses the launch)
+        time.sleep(2)
+        sh("scontrol", "update", f"JobId={jid}", "StartTime=now")
+        info = wait_job(jid, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 180, "the end")
+        text = log.read_text()
+        assert info["JobState"] == "COMPLETED", text
+    finally:
+        subprocess.run(["scancel", jid], capture_output=True)
+    notes = "".join(p.read_text() for p in sorted(ck.glob("preempted.*")))
+    preempted = re.findall(r"rank (\d+): preempted by signal \S+, checkpoint at step (\d+)", notes)
+    assert sorted(r for r, _ in preempted) == ["0", "1"], text
+    assert "requeueing job" in text and "restart 1" in text, text
+    out = json.loads((tmp_path / "out.json").read_text())
+    stop = int(preempted[0][1])
+    assert out["restart"] == "1" and out["resumed_from"]["step"] == stop
+    ref = tmp_path / "ref"
+    proc = subprocess.run(mpiexec_argv(2, [sys.executable, TOY, "--dir", str(ref), "--steps", steps,
+                                           "--out", str(ref / "out.json")]),
+                          env=mpi_env(2), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    want = json.loads((ref / "out.json").read_text())
+    np.testing.assert_allclose(out["losses"], want["losses"], rtol=1e-6, atol=0)
+    np.testing.assert_allclose(out["w"], want["w"], rtol=0, atol=1e-6)
+
+
+def test_bench_sweep_as_job_array(scheduler, tmp_path):
+    log = tmp_path / "array-%a.out"
+    sh("sbatch", "--wait", "--array=1-2", "-n", "2", "-O", "-o", str(log),
+       f"--export=ALL,MPIDIST_BENCH_OUT={tmp_path}", "slurm/bench_array.sbatch",
+       "checkpoint", "--size-mb", "4", "--repeat", "1", timeout=240)
+    for n in (1, 2):
+        found = list(tmp_path.glob(f"checkpoint/array-*/ranks-{n}/checkpoint.json"))
+        assert len(found) == 1, sorted(str(p) for p in tmp_path.rglob("*"))
+        assert json.loads(found[0].read_text())["ranks"] == n
