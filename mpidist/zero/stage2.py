@@ -70,9 +70,14 @@ class GradBuckets:
         self.buckets.append(_Bucket(0, units[0].lo, units[-1].hi, units))
 
     def begin(self) -> None:
-        self.grad_shard[...] = 0
+        """Before backward: a zero shard, every bucket empty (also after a failed step)."""
+        while self.queue:
+            self._retire()
         for b in self.buckets:
+            if b.buf is not None:
+                self._free(b)
             b.remaining, b.launched = len(b.units), False
+        self.grad_shard[...] = 0
 
     def pre_backward(self, unit) -> None:
         b = self.bucket_of[unit.index]
@@ -105,6 +110,9 @@ class GradBuckets:
         b = self.queue.popleft()
         self.e._timed_wait(b.pending)
         self.e.inflight.drop(*b.pending.buffers)
+        self._free(b)
+
+    def _free(self, b: _Bucket) -> None:
         for u in b.units:
             u.bind_grads(None)
         self.e.inflight.drop(b.buf)

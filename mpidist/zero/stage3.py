@@ -40,6 +40,8 @@ class ParamGather:
         self.pos = 0
 
     def begin(self, plan) -> None:
+        """Start a phase expecting the layers in `plan` order (leftovers released first)."""
+        self.end_phase()
         self.plan, self.pos = list(plan), 0
 
     def _fetch(self, unit):
