@@ -11,8 +11,8 @@ import numpy as np
 
 from mpidist.collectives import guard, native, ring, select
 from mpidist.collectives.ops import accumulator_dtype, check_dtype, dtype_name, get_op
-from mpidist.collectives.scratch import same_view
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
+from mpidist.collectives.scratch import same_view
 from mpidist.comm import as_communicator
 from mpidist.kernels.backend import get_array_module, is_cupy
 from mpidist.partition import chunk, counts_displs
@@ -58,7 +58,7 @@ def _to_acc(c, x):
     return c.to_mpi(x), False
 
 
-def _store(c, src, dst, widened: bool) -> None:
+def _store(src, dst, widened: bool) -> None:
     """Copy an MPI-side result src into the caller's dst (narrowing half precision, back
     to the device for staged CuPy data); nothing when src is dst."""
     if same_view(src, dst):
@@ -110,11 +110,11 @@ def run_allreduce(c, x, y, opx, name: str) -> None:
     sbuf, widened = _to_acc(c, x)
     if y is x:
         fn(c, sbuf, sbuf, opx)
-        _store(c, sbuf, x, widened)
+        _store(sbuf, x, widened)
     else:
         rbuf = sbuf if widened else c.to_mpi(y)
         fn(c, sbuf, rbuf, opx)
-        _store(c, rbuf, y, widened)
+        _store(rbuf, y, widened)
 
 
 def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
@@ -170,7 +170,7 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="ring"):
     else:
         rbuf = c.to_mpi(y)
     part.reduce_scatter(c, sbuf, rbuf, opx, finalize_n=c.size)
-    _store(c, rbuf, y, widened)
+    _store(rbuf, y, widened)
     return result
 
 
@@ -196,7 +196,8 @@ def allgather(shard, *, comm=None, out=None, algorithm="ring"):
             if s.size != chunk(n, c.rank, c.size)[1]:
                 raise ValueError(f"shard has {s.size} elements but chunk({n}, {c.rank}, "
                                  f"{c.size}) has {chunk(n, c.rank, c.size)[1]}")
-        signature = ("allgather", ("n", n), ("dtype", dtype_name(s.dtype)), ("algorithm", algorithm))
+        signature = ("allgather", ("n", n), ("dtype", dtype_name(s.dtype)),
+                     ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)

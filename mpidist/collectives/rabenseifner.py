@@ -28,7 +28,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     p2, rem, newrank = fold(r, p)
     tmp = scratch(comm, 30, (n + 1) // 2 + 1, sendbuf.dtype, like=sendbuf)
     src = sendbuf                     # my data until the first reduction lands in recvbuf
-    # 0. fold the extra ranks in
+    # 1. fold the extra ranks in
     if r < 2 * rem:
         if newrank < 0:
             mpi.Send(sendbuf, r + 1, _TAG)
@@ -41,7 +41,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
         counts, displs = counts_displs(n, p2)
         bounds = displs + [n]
         lo, hi = 0, p2                # the blocks I am responsible for
-        # 1. recursive halving: keep half of my blocks, send the other half, reduce
+        # 2. recursive halving: keep half of my blocks, send the other half, reduce
         mask = p2 >> 1
         while mask:
             partner = real_rank(newrank ^ mask, rem)
@@ -61,7 +61,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
         if p2 == 1 and not same_view(recvbuf, src):
             recvbuf[...] = src
         op.finalize(recvbuf[bounds[lo]:bounds[hi]], p)
-        # 2. recursive doubling allgather: swap my blocks for my partner's
+        # 3. recursive doubling allgather: swap my blocks for my partner's
         mask = 1
         while mask < p2:
             partner = real_rank(newrank ^ mask, rem)
@@ -72,7 +72,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
                          recvbuf[bounds[plo]:bounds[phi]], partner, _TAG)
             lo, hi = min(lo, plo), max(hi, phi)
             mask <<= 1
-    # 3. unfold
+    # 4. unfold: the folded ranks get the result
     if r < 2 * rem:
         if newrank < 0:
             mpi.Recv(recvbuf, r + 1, _TAG)

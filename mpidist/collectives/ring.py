@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.scratch import same_view, scratch
-from mpidist.partition import chunk, counts_displs
+from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "segment_bytes"]
 

@@ -1,5 +1,6 @@
-"""Shared test data for the collectives tests (imported as collectives_data): per-rank inputs that every rank can name by
-(rank, case), and the reference results from the MPI library's own MPI_Allreduce."""
+"""Shared test data for the collectives tests (imported as collectives_data): per-rank
+inputs that every rank can name by (rank, case), and the reference results from the MPI
+library's own MPI_Allreduce."""
 import hashlib
 
 import ml_dtypes
