@@ -1,5 +1,5 @@
 """The training loop end to end in-process: p ranks give the curve one rank gives for the same
-global batch, and the run leaves metrics, summary and plot."""
+global batch, and the run leaves metrics and summary (the plot: test_train_job)."""
 import json
 import os
 import shutil
@@ -35,7 +35,7 @@ def _cfg(out_dir, cache_dir, plot):
 
 
 def test_loop_on_p_ranks_matches_one_rank(comm, shared_dir):
-    summary = run(_cfg(os.path.join(shared_dir, "dp"), os.path.join(shared_dir, "data"), plot=True), comm)
+    summary = run(_cfg(os.path.join(shared_dir, "dp"), os.path.join(shared_dir, "data"), plot=False), comm)
     solo = None
     if comm.rank == 0:            # the same job on one rank (collectives on COMM_SELF only)
         self_comm = Communicator(MPI.COMM_SELF)
@@ -51,5 +51,38 @@ def test_loop_on_p_ranks_matches_one_rank(comm, shared_dir):
         assert [r["step"] for r in dp_rows if r["event"] == "eval"] == [5, 10]
         assert abs(summary["test_accuracy"] - solo["test_accuracy"]) < 1e-9
         assert json.load(open(os.path.join(shared_dir, "dp", "summary.json")))["steps"] == 10
-        assert os.path.getsize(os.path.join(shared_dir, "dp", "training.png")) > 10_000
     assert summary["ranks"] == comm.size and summary["steps"] == 10
+
+
+def test_a_setup_failure_on_one_rank_raises_on_every_rank(comm):
+    from mpidist.engine.loop import JobFailed, _agreed
+    from mpidist.errors import ConfigError
+
+    def fails_on_last(kind):
+        if comm.rank == comm.size - 1:
+            raise kind("broken on the last rank")
+        return comm.rank
+
+    assert _agreed(comm, lambda: comm.rank) == comm.rank
+    with pytest.raises(JobFailed, match=f"rank\\(s\\) {comm.size - 1}: OSError: broken"):
+        _agreed(comm, fails_on_last, OSError)
+    with pytest.raises(ConfigError, match="broken on the last rank"):
+        _agreed(comm, fails_on_last, ConfigError)
+
+
+def test_unknown_or_missing_strategy_is_a_config_error(comm):
+    from mpidist.engine.strategy import STRATEGIES, build_strategy, register_strategy
+    from mpidist.errors import ConfigError
+    cfg = _cfg("/tmp/unused", "/tmp/unused", plot=False)
+    register_strategy("nowhere", "mpidist.no_such_module:Factory")
+    try:
+        cfg["parallel"]["strategy"] = "nowhere"
+        with pytest.raises(ConfigError, match="not available"):
+            build_strategy(cfg, comm, {})
+        cfg["parallel"]["strategy"] = "warp"
+        with pytest.raises(ConfigError, match="unknown parallel.strategy 'warp'"):
+            build_strategy(cfg, comm, {})
+    finally:
+        del STRATEGIES["nowhere"]
+    with pytest.raises(ValueError, match="module:factory"):
+        register_strategy("x", "no_colon")
