@@ -8,9 +8,10 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
 For each size (bytes of float32) and algorithm: time of one allreduce (median over the
 repetitions of the slowest rank's time, after a warm-up), algbw = size / time and
 busbw = algbw * 2 (p-1) / p, the bandwidth each link actually carries, comparable across
-rank counts. "auto" is the cost model's choice (shown in brackets); "textbook" is the
-20-line blocking Sendrecv ring, the reference point of the issue. Every call goes through
-the public allreduce() and its result is checked.
+rank counts. "auto" is the cost model's choice (shown in brackets), from a model probed
+afresh at the start (--no-refit keeps the cached one); "model us" is its prediction for
+each algorithm. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
+the issue. Every call goes through the public allreduce() and its result is checked.
 Writes allreduce.csv, allreduce.json and allreduce.png under --out (rank 0).
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ def _parse(argv):
                    help="time budget per point, which caps the repetitions")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="simulate nodes of this many ranks (default: real topology)")
+    p.add_argument("--no-refit", dest="refit", action="store_false",
+                   help="use the cached cost model instead of probing this machine afresh")
     p.add_argument("--out", default=os.path.join("results", "bench", "allreduce"),
                    help="output directory")
     args = p.parse_args(argv)
@@ -133,14 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     c = Communicator(ranks_per_node=args.ranks_per_node)
     p = c.size
-    model = get_model(c) if "auto" in args.algorithms else None
+    model = get_model(c, refit=args.refit)        # probed now: auto fits this machine's state
     library = "".join(ch for ch in mpi_library() if ch.isprintable())
     header = (f"mpidist bench allreduce: {library}; {c.describe()}; float32; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if c.rank == 0:
         print(header)
         print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'algbw GB/s':>11} "
-              f"{'busbw GB/s':>11} {'vs native':>9} {'reps':>5} {'check':>5}", flush=True)
+              f"{'busbw GB/s':>11} {'vs native':>9} {'model us':>10} {'error':>6} {'reps':>5} "
+              f"{'check':>5}", flush=True)
     rows = []
     for nbytes in args.sizes:
         x = np.ones(nbytes // 4, np.float32)
@@ -151,15 +155,22 @@ def main(argv: list[str] | None = None) -> int:
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
             if alg == "native":
                 native_bw = busbw
-            label = f"auto [{model.choose(x.nbytes)}]" if alg == "auto" else alg
+            pick = model.choose(x.nbytes) if alg == "auto" else alg
+            label = f"auto [{pick}]" if alg == "auto" else alg
+            pred = model.predict(pick, x.nbytes) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
                    "algbw_GBps": algbw, "busbw_GBps": busbw, "reps": n, "ok": ok,
-                   "vs_native": busbw / native_bw if native_bw else None}
+                   "vs_native": busbw / native_bw if native_bw else None,
+                   "model_us": pred * 1e6 if pred is not None else None,
+                   "model_error": (pred - t) / t if pred is not None else None}
             rows.append(row)
             if c.rank == 0:
                 vs = f"{row['vs_native']:.2f}x" if row["vs_native"] else "-"
+                mod = f"{pred * 1e6:10.1f} {row['model_error']:+6.0%}" if pred is not None \
+                    else f"{'-':>10} {'-':>6}"
                 print(f"{format_size(x.nbytes):>8} {label:>26} {t * 1e6:12.1f} {algbw:11.3f} "
-                      f"{busbw:11.3f} {vs:>9} {n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
+                      f"{busbw:11.3f} {vs:>9} {mod} {n:5d} {'ok' if ok else 'WRONG':>5}",
+                      flush=True)
         del x
     if c.rank == 0:
         _summary(rows, p)
@@ -200,6 +211,10 @@ def _summary(rows, p: int) -> None:
                          f"{by[s, 'native']['time_us'] / top['time_us']:.2f}x native busbw")
         if (s, "auto") in by:
             line += f"; auto {by[s, 'auto']['time_us'] / best['time_us']:.2f}x best time"
+        errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]
+                if (s, a) in by and by[s, a]["model_error"] is not None]
+        if errs and s >= (64 << 10):
+            line += f"; model error max {max(errs):.0%}"
         if (s, "textbook") in by and own:
             top = min((by[s, a] for a in own if (s, a) in by), key=lambda r: r["time_us"])
             line += f"; vs textbook {by[s, 'textbook']['time_us'] / top['time_us']:.2f}x"
