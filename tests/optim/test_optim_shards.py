@@ -17,7 +17,7 @@ LAYOUT = Layout([("a.weight", (13, 11)), ("a.bias", (11,)), ("b.weight", (7, 29)
                  ("norm.weight", (29,)), ("c.weight", (29, 3)), ("c.bias", (3,))])
 
 
-@pytest.mark.parametrize("pieces", [1, 3])
+@pytest.mark.parametrize("pieces", [1, 2, 3])
 @pytest.mark.parametrize("name,hyper", [
     ("lars", {"lr": 0.5, "weight_decay": 1e-3}),
     ("lamb", {"weight_decay": 0.01}),
