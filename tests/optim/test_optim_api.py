@@ -213,3 +213,15 @@ def test_schedules_and_scaling_rules():
         build_schedule("step", 0.1, 10)
     with pytest.raises(ValueError, match="warmup_steps"):
         Schedule("cosine", 0.1, total_steps=5, warmup_steps=6)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_empty_range_steps_and_still_reduces(name):
+    """A shard with no elements (more ranks than elements) steps, and a layer-wise optimizer
+    still calls reduce_norms, so the other ranks' collective is matched."""
+    calls = []
+    opt = build_optimizer(name, LAYOUT, offset=LAYOUT.numel, count=0, **HYPER[name])
+    e = np.zeros(0, np.float32)
+    info = opt.step(e, e.copy(), reduce_norms=lambda x: calls.append(x.shape) or x)
+    assert not info.skipped and opt.step_count == 1
+    assert calls == ([(len(LAYOUT), 2 if name == "lars" else 3)] if opt.layerwise else [])
