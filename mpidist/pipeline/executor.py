@@ -149,8 +149,10 @@ class PipelineExecutor:
                     RECV_B: self._post_recv, SEND_F: self._send, SEND_B: self._send}
         for action in self.program:
             if action.kind in (FORWARD, BACKWARD):
+                data = self._input(action)            # waiting for it is idle time
+                self._progress()
                 t0 = MPI.Wtime()
-                handlers[action.kind](action)
+                handlers[action.kind](action, data)
                 t1 = MPI.Wtime()
                 stats.busy += t1 - t0
                 stats.events.append((action.kind, action.microbatch, action.stage,
@@ -232,6 +234,12 @@ class PipelineExecutor:
                                               dtype=dtype)
         mbuf = self.comm.to_mpi(data)
         self._sends.append((self.comm.comm.Isend(_bytes(mbuf), dest=dst, tag=tag), data))
+        self._progress()
+
+    def _progress(self) -> None:
+        """Let MPI move the pending transfers on before this rank computes for a while:
+        without a progress thread, a large message advances only inside MPI calls."""
+        MPI.Request.Testall([r for r, _ in self._sends])
 
     def _release(self, buf) -> None:
         """Mark a received buffer free; it returns to the pool at the next take, after the
@@ -252,16 +260,17 @@ class PipelineExecutor:
 
     # ------------------------------------------------------------------ compute
     def _input(self, a: Action):
-        if a.stage == 0:
-            return self._xs[a.microbatch]
+        """What a compute action consumes: F's input activation; B's output gradient (None
+        on the last stage, whose gradient the loss left in the stash)."""
+        if (a.kind == FORWARD and a.stage == 0) or (a.kind == BACKWARD and a.stage == self._last):
+            return self._xs[a.microbatch] if a.kind == FORWARD else None
         if self.schedule.pp == 1:
             return self._local.pop(a)
         return self._received(a)
 
-    def _forward(self, a: Action) -> None:
+    def _forward(self, a: Action, h) -> None:
         i, s = a.microbatch, a.stage
         stage = self.stages[s]
-        h = self._input(a)
         rng = stage.rng_state() if self.recompute else None
         out = stage.forward(h, self._train)
         caches = None if self.recompute else stage.stash()
@@ -284,12 +293,12 @@ class PipelineExecutor:
         st.peak_in_flight = max(st.peak_in_flight, self._in_flight)
         st.peak_stash_bytes = max(st.peak_stash_bytes, self._stash_bytes)
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, a: Action, dout) -> None:
         i, s = a.microbatch, a.stage
         stage = self.stages[s]
-        h, caches, rng, dout, nbytes = self._stash.pop((i, s))
+        h, caches, rng, loss_grad, nbytes = self._stash.pop((i, s))
         if dout is None:
-            dout = self._local.pop(a) if self.schedule.pp == 1 else self._received(a)
+            dout = loss_grad
         if self.recompute:
             now = stage.rng_state()
             stage.set_rng_state(rng)

@@ -1,0 +1,186 @@
+"""`mpidist bench pipeline`: the measured bubble and activation memory of the pipeline
+schedules on uniform stages, against the ideal bubble (p - 1) / (m + p - 1).
+
+    python -m mpidist.launcher -n 4 -- mpidist bench pipeline
+    python -m mpidist.launcher -n 4 -- mpidist bench pipeline --stages 2,4 --microbatches 4,8,16
+    python -m mpidist.launcher -n 2 -- mpidist bench pipeline --schedules gpipe,1f1b,interleaved
+
+Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls, no sleeps), so
+the stages are uniform; a micro-batch is `--rows` rows. For each schedule, p in --stages
+(the first p ranks run it, the others wait) and m in --microbatches: one warm-up step, then
+--steps steps; the figures are medians over those steps. "bubble" is the mean over ranks of
+idle / makespan (mpidist.pipeline.timing), "err" its distance from the ideal relative to
+the ideal (target: within 15% for GPipe and 1F1B); "peak mb" is the largest peak of
+stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m).
+Writes pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0).
+
+Timings need one core per rank: with more ranks than idle cores the busy times stretch
+and the figures say more about the machine than about the schedule.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["main"]
+
+TARGET = 0.15
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _parse(argv):
+    from mpidist.pipeline.schedules import SCHEDULES
+    p = argparse.ArgumentParser(prog="mpidist bench pipeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", default="gpipe,1f1b",
+                   help=f"schedules to run, of {','.join(SCHEDULES)} (default gpipe,1f1b)")
+    p.add_argument("--stages", type=_ints, default=[2, 4], help="pipeline sizes p (default 2,4)")
+    p.add_argument("--microbatches", type=_ints, default=[4, 8, 16],
+                   help="micro-batch counts m (default 4,8,16)")
+    p.add_argument("--virtual", type=int, default=2, help="chunks per rank for 'interleaved'")
+    p.add_argument("--dim", type=int, default=512, help="width of the Linear layers (default 512)")
+    p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="Linear+ReLU blocks per stage (default 2)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3)")
+    p.add_argument("--recompute", action="store_true", help="recompute activations in backward")
+    p.add_argument("--out", default=os.path.join("results", "bench", "pipeline"),
+                   help="output directory (default results/bench/pipeline)")
+    args = p.parse_args(argv)
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for s in args.schedules:
+        if s not in SCHEDULES:
+            p.error(f"unknown schedule {s!r}; choose from {', '.join(SCHEDULES)}")
+    for what in ("virtual", "dim", "rows", "layers", "steps"):
+        if getattr(args, what) < 1:
+            p.error(f"--{what} must be >= 1")
+    return args
+
+
+def _uniform_model(stages: int, layers: int, dim: int):
+    """stages x layers blocks of Linear(dim, dim) + ReLU: every stage the same work."""
+    from mpidist.nn import Linear, ReLU, Sequential
+    blocks, names = [], []
+    for i in range(stages * layers):
+        blocks += [Linear(dim, dim), ReLU()]
+        names += [f"fc{i}", f"relu{i}"]
+    return Sequential(*blocks, names=names)
+
+
+def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
+    """One configuration on the pipeline communicator `comm` (p ranks)."""
+    from mpidist.pipeline.executor import PipelineExecutor
+    from mpidist.pipeline.schedules import build_schedule, ideal_bubble
+    from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
+    from mpidist.pipeline.timing import gather_events, summarize
+
+    v = args.virtual if name == "interleaved" else 1
+    model = _uniform_model(p * v, args.layers, args.dim)
+    layers = pipeline_layers(model)
+    per = 2 * args.layers
+    bounds = list(range(0, len(layers) + 1, per))
+    stages = local_stages(layers, bounds, p, comm.rank)
+    _, _, grads = materialize_stages(model, stages, dtype=np.float32, seed=0)
+    executor = PipelineExecutor(build_schedule(name, p, m, v), stages, comm,
+                                recompute=args.recompute)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m * args.rows, args.dim)).astype(np.float32)
+    y = rng.integers(0, args.dim, m * args.rows)
+    runs = []
+    for step in range(1 + args.steps):
+        grads.data[...] = 0
+        stats = executor.run(x, y)
+        if step:
+            runs.append((summarize(stats, comm), stats))
+    order = np.argsort([s["bubble"] for s, _ in runs])
+    summary, stats = runs[order[len(order) // 2]]           # the median step
+    ideal = ideal_bubble(p, m, v)
+    row = {"schedule": name, "p": p, "m": m, "virtual": v, "recompute": args.recompute,
+           "ideal_bubble": ideal, "bubble": summary["bubble"],
+           "rel_err": abs(summary["bubble"] - ideal) / ideal,
+           "bubble_steps": [s["bubble"] for s, _ in runs],
+           "step_ms": 1e3 * summary["makespan"],
+           "busy_ms": [1e3 * b for b in summary["busy"]],
+           "peak_in_flight": summary["peak_in_flight"],
+           "peak_microbatches": max(summary["peak_microbatches"]) / v,
+           "peak_activation_mib": max(summary["peak_stash_bytes"]) / 2**20}
+    return row, gather_events(stats, comm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpidist.comm import Communicator
+    from mpidist.pipeline.timing import plot_timeline
+
+    args = _parse(argv)
+    world = Communicator()
+    root = world.rank == 0
+    rows = []
+    if root:
+        os.makedirs(args.out, exist_ok=True)
+        print(f"# mpidist bench pipeline: {world.size} ranks, stages of {args.layers} x "
+              f"Linear({args.dim}, {args.dim}) + ReLU, {args.rows} rows per micro-batch, "
+              f"median of {args.steps} steps{', recompute' if args.recompute else ''}")
+        print(f"{'schedule':<12}{'p':>3}{'m':>4}{'ideal':>8}{'bubble':>8}{'err':>7}  "
+              f"{'ok':<4}{'step ms':>9}{'peak mb':>9}{'peak MiB':>10}  in flight per rank")
+    for p in args.stages:
+        if p > world.size:
+            if root:
+                print(f"# p = {p} skipped: needs {p} ranks, this job has {world.size}")
+            continue
+        # the first p ranks form the pipeline; the rest wait at the barrier below
+        sub = world.comm.Split(0 if world.rank < p else MPI.UNDEFINED, world.rank)
+        if sub != MPI.COMM_NULL:
+            comm = Communicator(sub)
+            for name in args.schedules:
+                for m in args.microbatches:
+                    row, events = _run(comm, name, p, m, args)
+                    if root:
+                        rows.append(row)
+                        _print(row)
+                        png = os.path.join(args.out, f"timeline_{name}_p{p}_m{m}.png")
+                        plot_timeline(events, png, f"{name}: p={p}, m={m}, measured bubble "
+                                      f"{row['bubble']:.3f} (ideal {row['ideal_bubble']:.3f})",
+                                      virtual=row["virtual"], pp=p)
+            comm.free()
+            sub.Free()
+        world.comm.Barrier()
+    if root:
+        _write(rows, args.out)
+        print(f"# wrote {os.path.join(args.out, 'pipeline.csv')}, pipeline.json and timeline PNGs")
+    world.free()
+    return 0
+
+
+def _print(row: dict) -> None:
+    ok = "yes" if row["rel_err"] <= TARGET else "NO"
+    if row["schedule"] == "interleaved":
+        ok = "-"                          # the 15% target is for GPipe and 1F1B
+    flights = ",".join(str(f) for f in row["peak_in_flight"])
+    print(f"{row['schedule']:<12}{row['p']:>3}{row['m']:>4}{row['ideal_bubble']:>8.3f}"
+          f"{row['bubble']:>8.3f}{100 * row['rel_err']:>6.1f}%  {ok:<4}{row['step_ms']:>9.1f}"
+          f"{row['peak_microbatches']:>9.2f}{row['peak_activation_mib']:>10.2f}  {flights}",
+          flush=True)
+
+
+def _write(rows: list[dict], out: str) -> None:
+    with open(os.path.join(out, "pipeline.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    keys = ["schedule", "p", "m", "virtual", "recompute", "ideal_bubble", "bubble", "rel_err",
+            "step_ms", "peak_microbatches", "peak_activation_mib"]
+    with open(os.path.join(out, "pipeline.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(keys + ["peak_in_flight"])
+        for r in rows:
+            w.writerow([r[k] for k in keys] + [" ".join(map(str, r["peak_in_flight"]))])
