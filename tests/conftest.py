@@ -37,11 +37,11 @@ def pytest_configure(config):
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
         logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
         path = os.path.join(logdir, f"rank{RANK}.log") if logdir else os.devnull
-        sys.stdout = open(path, "w", buffering=1)
-        config.option.verbose = -1
-        tr = config.pluginmanager.getplugin("terminalreporter")
-        if tr is not None:
-            tr._tw._file = sys.stdout
+        log = open(path, "w", buffering=1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 1)              # everything this rank prints, Python or not
+        os.dup2(log.fileno(), 2)
 
 
 def pytest_report_header(config):
