@@ -202,9 +202,9 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
         if key in SCHEMA["model"] and key not in MODEL_KEYS.get(model, ()):
             errors.append(f"[model] {key} does not apply to model {model!r} (it takes {', '.join(MODEL_KEYS[model])})")
     ds = cfg["data"]["dataset"]
-    if (model == "gpt") != (ds == "text"):
+    if (model == "gpt" and ds not in ("text", "hdf5")) or (model != "gpt" and ds == "text"):
         errors.append(f"[model] name = {model!r} does not fit [data] dataset = {ds!r} "
-                      "(the gpt model trains on dataset = 'text'; mlp/cnn on the others)")
+                      "(the gpt model trains on dataset = 'text' or an LM 'hdf5' file; mlp/cnn on the others)")
     if ds == "hdf5" and not cfg["data"]["path"]:
         errors.append("[data] dataset = 'hdf5' needs path = '<file>.h5'")
     if ds in ("hdf5", "text") and cfg["data"]["path"] and not os.path.exists(cfg["data"]["path"]):
