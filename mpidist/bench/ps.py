@@ -6,12 +6,17 @@
   1. throughput: one server rank holds a --mb MiB shard; every other rank is a worker that
      pushes and pulls it --iters times (ASP, the servers sum the pushes), against the same
      MPI library's raw loop of Accumulate + Flush + Get + Flush on a plain Win.Allocate
-     window of the same size, in the same run. Target: parameter-server time within 2x.
+     window of the same size, in the same run (three alternating rounds, median of the
+     rounds' medians). Target: parameter-server time within 2x.
   2. scaling: for p = 1.. workers, the per-step communication time of a BSP step (push +
      pull of a --mb MiB model) with 1 server and with --servers servers, and of a ring
      allreduce of the same model over p ranks, beside alpha-beta predictions (alpha, beta
      measured with RMA Get for the servers, with a ping-pong for the ring): one server moves 2pn bytes per step (T = 2a + 2pn b), S servers
      2pn/S each (T = 2a + 2pn b / S), the ring 2(p-1)n/p per rank (T = 2(p-1)a + 2(p-1)n b / p).
+  3. stragglers: time until the servers have applied --steps steps' worth of updates
+     (BSP: every worker makes every step; ASP/SSP: workers stop when the servers' applied
+     pushes reach steps x W), with simulated compute (--compute s of sleep per step) and a
+     --delay s straggler, persistent (the last worker) or rotating (a random worker per step).
 Writes ps.csv, ps.json and ps.png under --out (rank 0). Step time = slowest worker's median.
 """
 from __future__ import annotations
@@ -33,6 +38,10 @@ def _parse(argv):
     p.add_argument("--mb", type=float, default=1.0, help="shard / model size in MiB (float32)")
     p.add_argument("--iters", type=int, default=30, help="timed push+pull iterations / steps")
     p.add_argument("--servers", type=int, default=2, help="S of the multi-server rows")
+    p.add_argument("--steps", type=int, default=100, help="steps of the straggler runs")
+    p.add_argument("--delay", type=float, default=0.01, help="straggler delay per step (s)")
+    p.add_argument("--compute", type=float, default=0.002, help="simulated compute per step (s)")
+    p.add_argument("--staleness", type=int, default=2, help="SSP bound of the straggler runs")
     p.add_argument("--out", default=os.path.join("results", "bench", "ps"), help="output directory")
     args = p.parse_args(argv)
     if args.mb <= 0 or args.iters < 2 or args.servers < 1:
@@ -127,6 +136,29 @@ def _ps_loop(comm, n: int, iters: int, servers: int, consistency: str) -> float 
     return float(np.median(times[1:])) if times else None
 
 
+def _straggler_run(comm, n: int, args, consistency: str, straggler) -> float | None:
+    """Seconds until --steps steps' worth of updates are applied (workers; None on servers)."""
+    from mpidist.ps import ParameterServer
+    staleness = args.staleness if consistency == "ssp" else None
+    with ParameterServer(np.zeros(n, np.float32), comm=comm, consistency=consistency,
+                         staleness=staleness, straggler=straggler, average=False,
+                         timeout=120) as ps:
+        if ps.is_server:
+            ps.serve()
+            return None
+        w, g, out = ps.worker, np.ones(n, np.float32), np.empty(n, np.float32)
+        t0 = time.perf_counter()
+        while True:
+            w.pull(out=out)
+            time.sleep(args.compute)
+            w.push(g)
+            if (w.clock if consistency == "bsp" else w.global_clock()) >= args.steps:
+                break
+        w.finish()
+        w.pull_final(out=out)
+        return time.perf_counter() - t0
+
+
 def _ring_loop(comm, n: int, iters: int) -> float:
     from mpidist.collectives import allreduce
     x = np.ones(n, np.float32)
@@ -172,13 +204,18 @@ def main(argv: list[str] | None = None) -> int:
         print(header)
 
     # 1. throughput: parameter server vs raw Accumulate + Get, 1 server, P - 1 workers
-    raw = _slowest(world.comm, _raw_loop(world.comm, n, args.iters))
-    ps = _slowest(world.comm, _ps_loop(world, n, args.iters, 1, "asp"))
+    raws, pss = [], []
+    for _ in range(3):                      # alternate, so both see the same machine load
+        raws.append(_slowest(world.comm, _raw_loop(world.comm, n, args.iters)))
+        pss.append(_slowest(world.comm, _ps_loop(world, n, args.iters, 1, "asp")))
+    raw, ps = float(np.median(raws)), float(np.median(pss))
     W = P - 1
     through = {"raw_s": raw, "ps_s": ps, "ratio": ps / raw,
                "raw_MBps": 2 * W * nbytes / raw / 1e6, "ps_MBps": 2 * W * nbytes / ps / 1e6}
     if root:
-        print(f"\n1. push+pull of a {args.mb:g} MiB shard, 1 server, {W} workers (slowest worker, median)")
+        print(f"\n1. push+pull of a {args.mb:g} MiB shard, 1 server, {W} workers (slowest worker, "
+              f"median; rounds: raw {[round(t * 1e3, 3) for t in raws]} ms, "
+              f"ps {[round(t * 1e3, 3) for t in pss]} ms)")
         print(f"   raw Accumulate+Get   {raw * 1e3:9.3f} ms   {through['raw_MBps']:9.1f} MB/s aggregate")
         print(f"   parameter server     {ps * 1e3:9.3f} ms   {through['ps_MBps']:9.1f} MB/s aggregate")
         print(f"   ratio {through['ratio']:.2f}x (target <= 2x): "
@@ -207,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         row["pred_ps_S"] = 2 * a_rma + 2 * p * nbytes * b_rma / S
         row["pred_ring"] = 2 * (p - 1) * a_p2p + 2 * (p - 1) * nbytes * b_p2p / p
         rows.append(row)
+    # 3. stragglers: persistent vs rotating, under each consistency model
+    from mpidist.ps import Straggler
+    strag = []
+    for model in ("bsp", "asp", "ssp"):
+        row = {"model": model if model != "ssp" else f"ssp({args.staleness})"}
+        for kind, who in (("persistent", P - 2), ("rotating", None)):
+            t = _straggler_run(world, 4096, args, model, Straggler(worker=who, delay=args.delay))
+            row[kind] = _slowest(world.comm, t)
+        strag.append(row)
+
     if root:
         ms = lambda v: "      -" if v is None else f"{v * 1e3:7.3f}"
         print(f"\n2. per-step communication time (ms) of a {args.mb:g} MiB model; alpha-beta "
@@ -217,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"   {r['workers']:>3} | {ms(r['ps_1'])} {ms(r['pred_ps_1'])} | "
                   f"{ms(r['ps_S']):>9} {ms(r['pred_ps_S'])} | {ms(r['ring'])} {ms(r['pred_ring'])}")
+        print(f"\n3. stragglers: seconds to {args.steps} steps' worth of updates, 1 server, {W} "
+              f"workers, {args.compute * 1e3:g} ms compute + {args.delay * 1e3:g} ms delay")
+        print(f"   {'model':>7} | {'persistent':>10} | {'rotating':>8}")
+        for r in strag:
+            print(f"   {r['model']:>7} | {r['persistent']:10.3f} | {r['rotating']:8.3f}")
         os.makedirs(args.out, exist_ok=True)
         base = os.path.join(args.out, "ps")
         with open(base + ".csv", "w", newline="") as f:
@@ -226,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(base + ".json", "w") as f:
             json.dump({"header": header, "ranks": P, "mb": args.mb,
                        "alpha_beta": {"rma": [a_rma, b_rma], "p2p": [a_p2p, b_p2p]},
-                       "throughput": through, "scaling": rows}, f, indent=1)
+                       "throughput": through, "scaling": rows, "stragglers": strag},
+                      f, indent=1)
         _plot(rows, base + ".png", header, args.servers)
         print(f"wrote {base}.csv, .json, .png")
     return 0

@@ -88,21 +88,34 @@ class Consistency:
 
 @dataclass(frozen=True)
 class Straggler:
-    """Slow one worker down: `worker` (index among the workers) sleeps `delay` s per step."""
-    worker: int = 0
+    """Slow workers down by `delay` seconds per step.
+
+    worker: the index (among the workers) of a persistent straggler; None: a different
+    worker at every step, drawn from a generator seeded with (seed, step), so every rank
+    agrees who is slow (transient stragglers, where SSP pays off).
+    """
+    worker: int | None = 0
     delay: float = 0.0
+    seed: int = 0
 
     def __post_init__(self):
-        if isinstance(self.worker, bool) or not isinstance(self.worker, (int, np.integer)) \
-                or self.worker < 0:
-            raise ValueError(f"straggler worker must be a non-negative int, got {self.worker!r}")
+        if self.worker is not None and (isinstance(self.worker, bool) or not isinstance(
+                self.worker, (int, np.integer)) or self.worker < 0):
+            raise ValueError(f"straggler worker must be None or a non-negative int, "
+                             f"got {self.worker!r}")
         if not isinstance(self.delay, (int, float)) or not self.delay >= 0:
             raise ValueError(f"straggler delay must be a non-negative number of seconds, "
                              f"got {self.delay!r}")
 
-    def stall(self, worker: int) -> None:
-        """Sleep if `worker` is the straggler."""
-        if worker == self.worker and self.delay > 0:
+    def slow(self, worker: int, step: int, workers: int) -> bool:
+        """Is `worker` the slow one at `step`?"""
+        if self.worker is not None:
+            return worker == self.worker
+        return int(np.random.default_rng([self.seed, step]).integers(workers)) == worker
+
+    def stall(self, worker: int, step: int, workers: int) -> None:
+        """Sleep if `worker` is slow at `step`."""
+        if self.delay > 0 and self.slow(worker, step, workers):
             time.sleep(self.delay)
 
 

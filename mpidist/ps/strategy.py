@@ -7,10 +7,10 @@ step: pull (waiting as BSP/SSP demand), forward/backward with the loss scaled by
 push; the servers apply mean-over-workers gradients, so BSP trains exactly like
 data-parallel SGD with the same global batch.
 
-Steps count updates, not pushes: after each push a worker's step becomes
-max(step + 1, applied pushes / W) (the servers' count), so under ASP/SSP fast workers
-take over the work of a straggler and the job ends once the servers have made the
-configured number of steps' worth of updates; under BSP every worker makes every step.
+Steps count updates, not pushes. Under BSP every worker makes every step. Under ASP/SSP a
+worker's step is the servers' count of applied pushes / W (it may stay put for a call while
+the servers catch up), so fast workers take over the work of a straggler and every worker
+stops once the servers have made the configured number of steps' worth of updates.
 
 Evaluation: while a worker is still training it evaluates its own rows of the test set
 with its latest parameters (no synchronisation of asynchronous workers); after its last
@@ -98,7 +98,10 @@ class ParameterServerStrategy(Strategy):
         # 3. push (a straggler sleeps here)
         self.worker.push(self.grads.data)
         self.pushes += 1
-        self.step = max(self.step + 1, self.worker.global_clock())
+        if self.ps.consistency.model == "bsp":
+            self.step += 1                 # lockstep: every worker makes every step
+        else:                              # steps' worth of updates, by all workers
+            self.step = max(self.step, self.worker.global_clock())
         if self.step >= self.total_steps:
             self.worker.finish()
             self.worker.pull_final(out=self.params.data)

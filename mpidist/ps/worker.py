@@ -197,7 +197,7 @@ class Worker:
                                "holds one gradient per worker")
         grad = np.ascontiguousarray(grad, dtype=self.dtype)
         if self.straggler is not None:
-            self.straggler.stall(self.index)
+            self.straggler.stall(self.index, self.clock, self.workers)
         check_abort(self.wins)
         wins, ctrl, data = self.wins, self.wins.ctrl, self.wins.data
         # 1. a ticket from every server: the open epoch decides the slot

@@ -40,6 +40,17 @@ def test_consistency_rules_and_parsing():
     assert ssp.must_wait(clock=5, version=0, min_applied=2) and not ssp.must_wait(5, 0, 3)
 
 
+def test_straggler_persistent_or_rotating():
+    fixed = Straggler(worker=2, delay=0.0)
+    assert [fixed.slow(w, 7, 4) for w in range(4)] == [False, False, True, False]
+    rotating = Straggler(worker=None, delay=0.0, seed=1)
+    chosen = [[w for w in range(4) if rotating.slow(w, t, 4)] for t in range(40)]
+    assert all(len(c) == 1 for c in chosen)          # exactly one slow worker per step
+    assert len({c[0] for c in chosen}) == 4          # and it moves around
+    with pytest.raises(ValueError):
+        Straggler(worker=-1, delay=0.1)
+
+
 def test_staleness_record_histogram():
     rec = StalenessRecord(staleness=[0, 0, 2, 1, 0], gaps=[(3, 1), (4, 4)])
     assert rec.histogram().tolist() == [3, 1, 1]
