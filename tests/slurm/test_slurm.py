@@ -57,6 +57,21 @@ def job(jid) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def run_job(*args, timeout=180) -> dict:
+    """sbatch and wait for the end (polling scontrol: faster than sbatch --wait's 10 s steps);
+    asserts that the job completed with exit code 0."""
+    jid = sh("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
+    try:
+        info = wait_job(jid, FINAL, timeout, "the end")
+    finally:
+        subprocess.run(["scancel", jid], capture_output=True)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
+    return info
+
+
 def wait_job(jid, states, timeout, what):
     t0 = time.time()
     while True:
@@ -71,10 +86,9 @@ def wait_job(jid, states, timeout, what):
 
 def test_sbatch_srun_and_mpiexec_in_an_allocation(scheduler, tmp_path):
     out = tmp_path / "wrap.out"
-    sh("sbatch", "--wait", "-n", "2", "-O", "-o", str(out), "--wrap",
+    run_job("-n", "2", "-O", "-o", str(out), "--wrap",
        f"srun -n 2 hostname && {sys.executable} -m mpidist.launcher -n 3 -- {sys.executable} -c "
-       "'import sys; from mpi4py import MPI; sys.stdout.write(\"size %d\\n\" % MPI.COMM_WORLD.size)'",
-       timeout=120)
+       "'import sys; from mpi4py import MPI; sys.stdout.write(\"size %d\\n\" % MPI.COMM_WORLD.size)'")
     text = out.read_text()
     assert text.split("\n").count(os.uname().nodename) == 2, text
     assert text.count("size 3\n") == 3, text
@@ -82,9 +96,9 @@ def test_sbatch_srun_and_mpiexec_in_an_allocation(scheduler, tmp_path):
 
 def test_single_node_script(scheduler, tmp_path):
     log = tmp_path / "single.out"
-    sh("sbatch", "--wait", "-n", "3", "-O", "-o", str(log), "slurm/single_node.sbatch",
-       sys.executable, TOY, "--dir", str(tmp_path / "ck"), "--steps", "6",
-       "--out", str(tmp_path / "out.json"), timeout=180)
+    run_job("-n", "3", "-O", "-o", str(log), "slurm/single_node.sbatch",
+            sys.executable, TOY, "--dir", str(tmp_path / "ck"), "--steps", "6",
+            "--out", str(tmp_path / "out.json"))
     assert "ranks per node 3" in log.read_text()
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world_size"] == 3 and len(out["losses"]) == 6
@@ -92,9 +106,9 @@ def test_single_node_script(scheduler, tmp_path):
 
 def test_multi_node_script_launches_with_srun_pmix(scheduler, tmp_path):
     log = tmp_path / "multi.out"
-    sh("sbatch", "--wait", "-N", "1", "--ntasks-per-node", "2", "-o", str(log),
-       "slurm/multi_node.sbatch", sys.executable, TOY, "--dir", str(tmp_path / "ck"),
-       "--steps", "6", "--out", str(tmp_path / "out.json"), timeout=180)
+    run_job("-N", "1", "--ntasks-per-node", "2", "-o", str(log),
+            "slurm/multi_node.sbatch", sys.executable, TOY, "--dir", str(tmp_path / "ck"),
+            "--steps", "6", "--out", str(tmp_path / "out.json"))
     assert "ranks per node 2" in log.read_text()
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["world_size"] == 2 and len(out["losses"]) == 6
@@ -121,7 +135,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path):
         # which the old credential was revoked, or slurmd refuses the launch)
         time.sleep(2)
         sh("scontrol", "update", f"JobId={jid}", "StartTime=now")
-        info = wait_job(jid, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 180, "the end")
+        info = wait_job(jid, FINAL, 180, "the end")
         text = log.read_text()
         assert info["JobState"] == "COMPLETED", text
     finally:
@@ -145,9 +159,12 @@ def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path):
 
 def test_bench_sweep_as_job_array(scheduler, tmp_path):
     log = tmp_path / "array-%a.out"
-    sh("sbatch", "--wait", "--array=1-2", "-n", "2", "-O", "-o", str(log),
-       f"--export=ALL,MPIDIST_BENCH_OUT={tmp_path}", "slurm/bench_array.sbatch",
-       "checkpoint", "--size-mb", "4", "--repeat", "1", timeout=240)
+    jid = sh("sbatch", "--parsable", "--array=1-2", "-n", "2", "-O", "-o", str(log),
+             f"--export=ALL,MPIDIST_BENCH_OUT={tmp_path}", "slurm/bench_array.sbatch",
+             "checkpoint", "--size-mb", "4", "--repeat", "1").stdout.strip()
+    for task in (1, 2):
+        info = wait_job(f"{jid}_{task}", FINAL, 240, f"array task {task}")
+        assert info["JobState"] == "COMPLETED", info
     for n in (1, 2):
         found = list(tmp_path.glob(f"checkpoint/array-*/ranks-{n}/checkpoint.json"))
         assert len(found) == 1, sorted(str(p) for p in tmp_path.rglob("*"))
