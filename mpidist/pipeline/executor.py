@@ -125,7 +125,9 @@ class PipelineExecutor:
                              f"divisible by {m}")
         if shapes != self._key:
             self._key = shapes
-            self._meta_in.clear(), self._meta_out.clear(), self._meta_sent.clear()
+            self._meta_in.clear()
+            self._meta_out.clear()
+            self._meta_sent.clear()
         b = x.shape[0] // m
         self._xs = [x[i * b:(i + 1) * b] for i in range(m)]
         self._ys = [y[i * b:(i + 1) * b] for i in range(m)]
