@@ -1,4 +1,4 @@
-"""Shared test data for the collectives tests (imported as collectives_data): per-rank
+"""Shared test data for the collectives tests (imported relatively by them): per-rank
 inputs that every rank can name by (rank, case), and the reference results from the MPI
 library's own MPI_Allreduce."""
 import hashlib

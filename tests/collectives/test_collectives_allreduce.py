@@ -3,7 +3,7 @@ out of place, at any rank count; bitwise agreement of the result across ranks.""
 import numpy as np
 import pytest
 
-from collectives_data import DTYPES, MPI_OPS, close, digest, lengths, make, references
+from .collectives_data import DTYPES, MPI_OPS, close, digest, lengths, make, references
 from mpidist.collectives import ALGORITHMS, allreduce, guard
 
 ALL = list(ALGORITHMS) + ["auto"]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from collectives_data import close, make, references
+from .collectives_data import close, make, references
 from mpidist.collectives import allreduce
 from mpidist.comm import Communicator
 
@@ -36,6 +36,15 @@ def test_hierarchical_on_simulated_nodes(comm, nodes, per_node):
                 bad.append(f"{dt} {op} n={n}")
         sub.free()
     assert not bad, bad
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_memory_falls_back_to_ring_across_nodes(comm):
+    sub = Communicator(comm.comm, ranks_per_node=1)     # every rank its own (simulated) node
+    x = np.arange(50, dtype=np.int64) + sub.rank
+    got = allreduce(x, algorithm="shm", comm=sub, out=np.empty_like(x))
+    assert np.array_equal(got, np.arange(50) * sub.size + sum(range(sub.size)))
+    sub.free()
 
 
 @pytest.mark.mpi(min_size=3)

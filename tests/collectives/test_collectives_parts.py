@@ -3,7 +3,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from collectives_data import close, lengths, make, references
+from .collectives_data import close, lengths, make, references
 from mpidist.collectives import allgather, reduce_scatter
 from mpidist.errors import RemoteError
 from mpidist.partition import chunk
