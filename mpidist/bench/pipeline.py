@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# mpidist bench pipeline: {world.size} ranks, stages of {args.layers} x "
               f"Linear({args.dim}, {args.dim}) + ReLU, {args.rows} rows per micro-batch, "
               f"median of {args.steps} steps{', recompute' if args.recompute else ''}")
-        print(f"{'schedule':<12}{'p':>3}{'m':>4}{'ideal':>8}{'bubble':>8}{'err':>7}  "
+        print(f"{'schedule':<12}{'p':>3}{'m':>4}{'ideal':>8}{'bubble':>8}{'err':>9}  "
               f"{'ok':<4}{'step ms':>9}{'peak mb':>9}{'peak MiB':>10}  in flight per rank")
     for p in args.stages:
         if p > world.size:
@@ -169,7 +169,7 @@ def _print(row: dict) -> None:
         ok = "-"                          # the 15% target is for GPipe and 1F1B
     flights = ",".join(str(f) for f in row["peak_in_flight"])
     print(f"{row['schedule']:<12}{row['p']:>3}{row['m']:>4}{row['ideal_bubble']:>8.3f}"
-          f"{row['bubble']:>8.3f}{100 * row['rel_err']:>6.1f}%  {ok:<4}{row['step_ms']:>9.1f}"
+          f"{row['bubble']:>8.3f}{100 * row['rel_err']:>8.1f}%  {ok:<4}{row['step_ms']:>9.1f}"
           f"{row['peak_microbatches']:>9.2f}{row['peak_activation_mib']:>10.2f}  {flights}",
           flush=True)
 
