@@ -12,7 +12,8 @@ algorithm by least squares over a few message sizes (relative error), because th
 library's C collectives and mpidist's Python-driven segmented steps pay very different
 fixed costs per step. The native MPI_Allreduce, whose internal algorithm is the library's
 choice, is modelled as one step moving n. The hierarchical algorithm is predicted by
-composing the ring's intra-node and inter-node fits.
+composing the ring's intra-node and inter-node fits. The shared-memory algorithm is a
+candidate only on a communicator within one node.
 
 Every timing is the maximum over ranks, and rank 0 broadcasts the fitted model, so every
 rank holds the same numbers and "auto" picks the same algorithm everywhere. Models are
@@ -36,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpidist
+from mpidist.collectives import shm
 from mpidist.collectives.ops import get_op
 from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.ring import segment_bytes
@@ -43,7 +45,7 @@ from mpidist.collectives.ring import segment_bytes
 __all__ = ["CostModel", "coefficients", "measure", "get_model", "PROBE_SIZES", "cache_path"]
 
 PROBE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
-FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "native")
+FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "shm", "native")
 
 
 def _log2(p: int) -> int:
@@ -67,6 +69,8 @@ def coefficients(algorithm: str, p: int) -> tuple[float, float, float]:
         return lg2 + 2 * fold, lg2 + 2 * fold, lg2 + fold
     if algorithm == "rabenseifner":
         return 2 * lg2 + 2 * fold, 2 * (p2 - 1) / p2 + 2 * fold, (p2 - 1) / p2 + fold
+    if algorithm == "shm":
+        return 3.0, 2.0, 1.0
     if algorithm == "native":
         return 1.0, 1.0, 0.0
     raise ValueError(f"no cost formula for algorithm {algorithm!r}")
@@ -185,7 +189,8 @@ def probe(comm, sizes=PROBE_SIZES, reps: int | None = None) -> CostModel:
     """Collective: time every algorithm on comm (and the ring per link level) and fit."""
     levels = {"world": {"p": 1, "gamma": 0.0, "fits": {}, "samples": {}}}
     if comm.size > 1:
-        levels["world"] = _probe_level(comm, FLAT, sizes, reps)
+        flat = [a for a in FLAT if a != "shm" or shm.usable(comm)]
+        levels["world"] = _probe_level(comm, flat, sizes, reps)
     hier = comm.uniform_nodes and comm.num_nodes > 1 and comm.local_size > 1
     if hier:
         intra = _probe_level(comm.node_comm, ["ring"], sizes, reps)

@@ -6,7 +6,7 @@ recvbuf may be sendbuf (in place). Every algorithm leaves the same bits on every
 from __future__ import annotations
 
 from mpidist.collectives import (dbtree, hierarchical, native, rabenseifner,
-                                 recursive_doubling, ring, tree)
+                                 recursive_doubling, ring, shm, tree)
 
 __all__ = ["ALGORITHMS", "get_algorithm", "algorithm_names"]
 
@@ -17,6 +17,7 @@ ALGORITHMS = {
     "hierarchical": hierarchical.allreduce,
     "recursive_doubling": recursive_doubling.allreduce,
     "rabenseifner": rabenseifner.allreduce,
+    "shm": shm.allreduce,
     "native": native.allreduce,
 }
 

@@ -1,0 +1,105 @@
+"""Shared-memory allreduce for the ranks of one node, over an MPI shared-memory window.
+
+Without a single-copy transport (CMA is often forbidden in containers) every byte a ring
+step moves is copied twice, into and out of the MPI library's shared buffers, and each
+message costs a rendezvous handshake. Here each rank copies its input once into its slice
+of a window all ranks of the node can read, then:
+1. publish: copy my input into my window slice; barrier;
+2. reduce: chunk(n, rank, size) of every rank's slice, block by block (the running sum
+   stays in cache), into my own slice; the one reduced copy of that chunk;
+3. gather: barrier; copy every rank's reduced chunk straight out of its slice.
+Memory traffic per rank: about 2n + (p+1)/p n + 2n bytes against the ring's 8n or so, and
+three barriers instead of 2(p-1) handshaking steps. Each chunk is reduced by one rank in
+rank order, so every rank ends with the same bits.
+
+Communicators spanning several nodes (real or simulated), and device buffers, fall back
+to the ring. The window is allocated on first use per communicator and grown when a
+larger message comes (collectively: every rank passes the same length).
+
+Cost: 3 alpha (barriers) + 2 n beta (copies in and out) + n gamma.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.collectives import ring
+from mpidist.collectives.ops import Op
+from mpidist.collectives.scratch import scratch
+from mpidist.partition import counts_displs
+
+__all__ = ["allreduce", "usable"]
+
+_BLOCK_BYTES = 256 << 10
+_windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def usable(comm) -> bool:
+    """One node (not simulated as several) and more than one rank."""
+    return comm.size > 1 and comm.num_nodes == 1
+
+
+class _Window:
+    """A shared window with one slice per rank, and NumPy views of every slice."""
+
+    def __init__(self, comm, nbytes: int):
+        self.nbytes = nbytes
+        self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=comm.comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.slices = [np.frombuffer(self.win.Shared_query(r)[0], np.uint8)[:nbytes]
+                       for r in range(comm.size)]
+
+    def free(self) -> None:
+        self.slices = []
+        self.win.Unlock_all()
+        self.win.Free()
+
+
+def _window(comm, nbytes: int) -> _Window:
+    w = _windows.get(comm)
+    if w is None or w.nbytes < nbytes:
+        if w is not None:
+            w.free()
+        w = _Window(comm, max(nbytes, w.nbytes * 2 if w is not None else 1 << 16))
+        _windows[comm] = w
+    return w
+
+
+def _barrier(comm, w: _Window) -> None:
+    """Make my stores visible, wait for everyone, then see theirs."""
+    w.win.Sync()
+    comm.comm.Barrier()
+    w.win.Sync()
+
+
+def allreduce(comm, sendbuf, recvbuf, op: Op):
+    """Shared-memory allreduce (recvbuf may be sendbuf); the ring where it can not run."""
+    if not usable(comm) or not isinstance(sendbuf, np.ndarray):
+        return ring.allreduce(comm, sendbuf, recvbuf, op)
+    p, r = comm.size, comm.rank
+    n, dt = len(sendbuf), sendbuf.dtype
+    counts, displs = counts_displs(n, p)
+    w = _window(comm, n * dt.itemsize)
+    part = [s[:n * dt.itemsize].view(dt) for s in w.slices]
+    # 1. publish my input (after everyone has finished reading the previous call's results)
+    _barrier(comm, w)
+    part[r][...] = sendbuf
+    _barrier(comm, w)
+    # 2. reduce my chunk over every rank's copy, one cache-sized block at a time
+    lo_r, hi_r = displs[r], displs[r] + counts[r]
+    block = max(1, _BLOCK_BYTES // dt.itemsize)
+    tmp = scratch(comm, 40, min(block, counts[r]), dt)
+    for lo in range(lo_r, hi_r, block):
+        hi = min(lo + block, hi_r)
+        acc = tmp[:hi - lo]
+        op.ufunc(part[0][lo:hi], part[1][lo:hi], out=acc if p > 2 else part[r][lo:hi])
+        for k in range(2, p):
+            op.ufunc(acc, part[k][lo:hi], out=acc if k < p - 1 else part[r][lo:hi])
+    op.finalize(part[r][lo_r:hi_r], p)
+    # 3. gather every rank's reduced chunk
+    _barrier(comm, w)
+    for j in range(p):
+        recvbuf[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
+    return recvbuf
