@@ -1,6 +1,7 @@
 """`mpidist bench compress` runs end to end at a tiny size on 2 ranks (figures not checked:
 benchmarks print, tests assert behaviour; here the behaviour is the report's content)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ def test_bench_compress_reports_every_compressor(tmp_path):
     out = tmp_path / "bench"
     argv = [sys.executable, "-m", "mpidist", "bench", "compress", "--numel", "6000",
             "--steps", "1", "--reps", "1", "--out", str(out)]
-    proc = subprocess.run(mpiexec_argv(2, argv), env=mpi_env(2), capture_output=True,
+    # a fresh job: none of this process's own MPI job variables (mpiexec -n 1 pytest)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    proc = subprocess.run(mpiexec_argv(2, argv), env=mpi_env(2, base), capture_output=True,
                           text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     from mpidist.bench.compress import CONFIGS
