@@ -101,7 +101,8 @@ class PipelineStrategy(Strategy):
         self.algorithm = p["algorithm"]
         self.last_stats = None
         if comm.rank == 0:
-            names = [prefix.rstrip(".") or type(l).__name__ for prefix, l in layers]
+            names = [prefix.rstrip(".") or type(l).__name__.strip("_").lower()
+                     for prefix, l in layers]
             cut = "; ".join(f"stage {s}: {', '.join(names[a:b])}"
                             for s, (a, b) in enumerate(zip(self.bounds, self.bounds[1:])))
             log.info("pipeline %s: %d stages x %d replicas, %d micro-batches, partition by %s "

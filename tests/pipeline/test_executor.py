@@ -37,7 +37,7 @@ def _single_rank(make, x, y, steps=STEPS):
     return layout.views(params.data)
 
 
-def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS):
+def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS, keep_grads=False):
     model = make()
     layers = pipeline_layers(model)
     bounds = by_params([l for _, l in layers], comm.size * virtual)
@@ -50,7 +50,7 @@ def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS):
         grads.data[...] = 0
         stats = ex.run(x, y)
         params.data -= LR * grads.data
-    return layout.views(params.data), stats, ex
+    return layout.views(grads.data if keep_grads else params.data), stats, ex
 
 
 def _max_rel(mine, ref):
@@ -78,6 +78,16 @@ def test_transformer_pipeline_equals_single_rank(comm):
     ref = _single_rank(make, x, y, steps=2)
     mine, _, _ = _pipeline(comm, make, x, y, "1f1b", recompute=True, steps=2)
     assert _max_rel(mine, ref) < 1e-6
+
+
+def test_recompute_replays_the_dropout_masks(comm):
+    make = lambda: MLP(6, 5, hidden=(8,) * 4, dropout=0.5, seed=4)   # noqa: E731
+    x, y = _data(comm.size)
+    stash, _, _ = _pipeline(comm, make, x, y, "gpipe", steps=2, keep_grads=True)
+    again, _, _ = _pipeline(comm, make, x, y, "gpipe", recompute=True, steps=2, keep_grads=True)
+    for name, g in stash.items():
+        np.testing.assert_array_equal(again[name], g)
+    assert any(np.any(g != 0) for g in stash.values()) or not stash
 
 
 @pytest.mark.mpi(min_size=2)
