@@ -7,7 +7,7 @@ schedules on uniform stages, against the ideal bubble (p - 1) / (m + p - 1).
 
 Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls, no sleeps), so
 the stages are uniform; a micro-batch is `--rows` rows. For each schedule, p in --stages
-(the first p ranks run it, the others wait) and m in --microbatches: one warm-up step, then
+(the first p ranks run it, the others sleep) and m in --microbatches: one warm-up step, then
 --steps steps; the figures are medians over those steps. "bubble" is the mean over ranks of
 idle / makespan (mpidist.pipeline.timing), "err" its distance from the ideal relative to
 the ideal (target: within 15% for GPipe and 1F1B); "peak mb" is the largest peak of
@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import os
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             if root:
                 print(f"# p = {p} skipped: needs {p} ranks, this job has {world.size}")
             continue
-        # the first p ranks form the pipeline; the rest wait at the barrier below
+        # the first p ranks form the pipeline; the rest sleep in the barrier below
         sub = world.comm.Split(0 if world.rank < p else MPI.UNDEFINED, world.rank)
         if sub != MPI.COMM_NULL:
             comm = Communicator(sub)
@@ -155,12 +156,20 @@ def main(argv: list[str] | None = None) -> int:
                                       virtual=row["virtual"], pp=p)
             comm.free()
             sub.Free()
-        world.comm.Barrier()
+        _idle_barrier(world.comm)
     if root:
         _write(rows, args.out)
         print(f"# wrote {os.path.join(args.out, 'pipeline.csv')}, pipeline.json and timeline PNGs")
     world.free()
     return 0
+
+
+def _idle_barrier(comm) -> None:
+    """A barrier that sleeps instead of polling, so ranks left out of a smaller pipeline
+    do not take cores from the ranks being timed."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
 
 
 def _print(row: dict) -> None:
