@@ -12,6 +12,7 @@ and the layer classes stay untouched; remove() restores the plain methods.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mpidist.kernels.backend import get_array_module
@@ -42,9 +43,7 @@ class Unit:
     def _views(self, flat):
         out, at = {}, 0
         for name, shape in zip(self.local, self.shapes):
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(shape)
             out[name] = flat[at:at + n].reshape(shape)
             at += n
         return out

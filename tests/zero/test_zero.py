@@ -14,7 +14,7 @@ from mpidist.collectives import allreduce
 from mpidist.comm import Communicator
 from mpidist.engine.strategy import gather_state
 from mpidist.flat import FlatBuffer, Layout
-from mpidist.nn import GPT, MLP, Linear, Module, SoftmaxCrossEntropy
+from mpidist.nn import CNN, GPT, MLP, Linear, Module, SoftmaxCrossEntropy
 from mpidist.optim import build_optimizer
 from mpidist.partition import chunk
 from mpidist.zero import build_zero, model_state_bytes
@@ -128,16 +128,26 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(comm, stage
     assert np.array_equal(eng.full_params(), before)
 
 
-def test_stage3_transformer_with_nested_layers(comm):
-    """GPT: embeddings, attention (Linear children), layer norms; backward order != layout order."""
-    def gpt():
-        return GPT(vocab=11, block=4, dim=8, heads=2, layers=2)
+def _gpt_case():
     rng = np.random.default_rng(3)
-    ids = rng.integers(0, 11, size=(2, 6, 4))
-    tgt = rng.integers(0, 11, size=(2, 6, 4))
-    ref, ref_losses = data_parallel(gpt(), "adamw", np.float32, comm, ids, tgt)
+    return (lambda: GPT(vocab=11, block=4, dim=8, heads=2, layers=2),
+            rng.integers(0, 11, size=(2, 6, 4)), rng.integers(0, 11, size=(2, 6, 4)))
+
+
+def _cnn_case():
+    rng = np.random.default_rng(4)
+    return (lambda: CNN((1, 4, 4), 3, channels=(2, 3)),
+            rng.normal(size=(2, 6, 16)), rng.integers(0, 3, size=(2, 6)))
+
+
+@pytest.mark.parametrize("case", [_gpt_case, _cnn_case], ids=["gpt", "cnn"])
+def test_stage2_and_3_with_nested_and_convolutional_layers(comm, case):
+    """GPT: embeddings, attention with Linear children, layer norms, backward order not the
+    layout's reversed; CNN: convolutions inside a nested Sequential."""
+    make, xs, ys = case()
+    ref, ref_losses = data_parallel(make(), "adamw", np.float32, comm, xs, ys)
     for stage in (2, 3):
-        _, got, losses = train_zero(stage, gpt(), "adamw", np.float32, comm, ids, tgt,
+        _, got, losses = train_zero(stage, make(), "adamw", np.float32, comm, xs, ys,
                                     bucket_mb=0)
         assert rel(got, ref) <= 1e-6
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
