@@ -40,9 +40,12 @@ def build_datasets(config: dict, comm):
     return train, test, meta
 
 
-def iterate(dataset, sampler):
-    """Yield (x, y, global batch size) for this rank over the sampler's current epoch."""
-    for count, idx in sampler:
+def iterate(dataset, sampler, start: int = 0):
+    """Yield (x, y, global batch size) for this rank over the sampler's current epoch,
+    from batch `start` on (the batches before it are not read)."""
+    for b, (count, idx) in enumerate(sampler):
+        if b < start:
+            continue
         if sampler.rank is None:
             yield None, None, count
         else:

@@ -135,12 +135,9 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
     while strategy.step < total:
         epoch, skip = divmod(strategy.step, per_epoch)
         sampler.set_epoch(epoch)
-        batches = iterate(train, sampler)
+        batches = iterate(train, sampler, start=skip)     # skip > 0: resumed mid-epoch
         t0 = time.perf_counter()
-        for i, (x, y, count) in enumerate(batches):
-            if i < skip:                      # resumed mid-epoch: these batches were trained
-                t0 = time.perf_counter()
-                continue
+        for i, (x, y, count) in enumerate(batches, start=skip):
             t_data = time.perf_counter() - t0
             m = strategy.train_step(x, y, global_count=count)
             t_step = time.perf_counter() - t0

@@ -130,3 +130,21 @@ def test_import_failure_raises_on_every_rank(comm, shared_dir):
     missing = os.path.join(shared_dir, "no-such.txt")
     with pytest.raises((FileNotFoundError, RemoteError)):
         import_text(missing if comm.rank == 0 else SAMPLE_TEXT, os.path.join(shared_dir, "t.h5"), comm=comm)
+
+
+def test_iterate_from_a_later_batch_reads_only_those():
+    from mpidist.data import ArrayDataset
+
+    class Counting(ArrayDataset):
+        reads = 0
+
+        def read(self, indices):
+            Counting.reads += 1
+            return super().read(indices)
+
+    ds = Counting(np.arange(20.0)[:, None], np.arange(20), {})
+    sampler = DistributedSampler(20, 4, seed=1)
+    full = [y for _, y, _ in iterate(ds, sampler)]
+    Counting.reads = 0
+    tail = [y for _, y, _ in iterate(ds, sampler, start=3)]
+    assert Counting.reads == 2 and all(np.array_equal(a, b) for a, b in zip(full[3:], tail))
