@@ -86,3 +86,21 @@ def test_unknown_or_missing_strategy_is_a_config_error(comm):
         del STRATEGIES["nowhere"]
     with pytest.raises(ValueError, match="module:factory"):
         register_strategy("x", "no_colon")
+
+
+def test_resume_mid_epoch_continues_the_same_curve(comm, shared_dir):
+    """Checkpoint at step 6 (mid-epoch), resume to 10: the curve of a straight 10-step run."""
+    def cfg(name, steps, resume):
+        c = _cfg(os.path.join(shared_dir, name), os.path.join(shared_dir, "data"), plot=False)
+        c["job"].update(steps=steps, eval_every=0)
+        c["optim"].update(schedule="constant", warmup_steps=0)
+        c["checkpoint"].update(interval=6, dir=os.path.join(shared_dir, name, "ckpt"), resume=resume)
+        return c
+
+    run(cfg("resumed", 6, False), comm)
+    run(cfg("resumed", 10, True), comm)
+    run(cfg("straight", 10, False), comm)
+    if comm.rank == 0:
+        a, b = (read_metrics(os.path.join(shared_dir, n, "metrics.jsonl")) for n in ("resumed", "straight"))
+        assert [r["loss"] for r in a if r["event"] == "step"] == [r["loss"] for r in b if r["event"] == "step"]
+        assert [r["step"] for r in a if r["event"] == "step"] == list(range(1, 11))
