@@ -20,8 +20,9 @@ import time
 
 import ml_dtypes
 import numpy as np
+from mpi4py import MPI
 
-from mpidist.collectives import allreduce
+from mpidist.collectives import allgather, allreduce
 from mpidist.comm import as_communicator
 from mpidist.engine.strategy import StateDict, flat_pieces, read_flat
 from mpidist.flat import Layout
@@ -162,17 +163,19 @@ class ZeroEngine(abc.ABC):
         t0 = time.perf_counter()
         loss_sum, correct = self.forward_backward(x, y, global_count)
         t1, comm_in_backward = time.perf_counter(), self._t_comm
+        # NaN/Inf in any rank's shard skips the step everywhere; the loss sums ride along
         g = self.grad_shard()
-        finite = self.comm.all(bool(get_array_module(g).isfinite(g).all()))
+        bad = 0.0 if bool(get_array_module(g).isfinite(g).all()) else 1.0
+        totals = np.array([bad, loss_sum, correct, count], np.float64)
+        self.comm.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
         self.info = self.optimizer.step(self.param_shard(), g, reduce_norms=self._reduce_norms,
-                                        finite=finite)
+                                        finite=bool(totals[0] == 0))
         t2 = time.perf_counter()
         self._publish_params()
         t3 = time.perf_counter()
-        totals = self.comm.comm.allreduce(np.array([loss_sum, correct, count], np.float64))
         self.step += 1
-        return {"loss": float(totals[0] / max(1.0, totals[2])), "correct": int(totals[1]),
-                "count": int(totals[2]), "t_compute": t1 - t0 - comm_in_backward,
+        return {"loss": float(totals[1] / max(1.0, totals[3])), "correct": int(totals[2]),
+                "count": int(totals[3]), "t_compute": t1 - t0 - comm_in_backward,
                 "t_comm": comm_in_backward + (t3 - t2), "t_optim": t2 - t1,
                 "skipped": bool(self.info.skipped)}
 
@@ -201,7 +204,6 @@ class ZeroEngine(abc.ABC):
     # ------------------------------------------------------------------ views for tests/tools
     def full_params(self):
         """Collective: the whole flat parameter vector on every rank (small models, tests)."""
-        from mpidist.collectives import allgather
         return allgather(self.param_shard().copy(), comm=self.comm,
                          out=self.xp.empty(self.layout.numel, self.dtype))
 
