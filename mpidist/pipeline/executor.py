@@ -244,20 +244,25 @@ class PipelineExecutor:
         MPI.Request.Testall([r for r, _ in self._sends])
 
     def _release(self, buf) -> None:
-        """Mark a received buffer free; it returns to the pool at the next take, after the
-        send that follows its compute (which may read it: identity layers) is posted."""
+        """Mark a received buffer free; it returns to the pool at a later take, once no
+        pending send reads it (identity layers send their input on)."""
         if id(buf) in self._pool.owned:
             self._releasing.append(buf)
 
     def _take(self, meta):
-        """A receive buffer: first recycle the released ones no pending send still reads."""
+        """A receive buffer: first recycle the released ones whose readers have finished
+        (tested, never waited for: a wait here could depend on a peer that waits for us)."""
+        still_read = []
         for buf in self._releasing:
-            for k, (request, data) in enumerate(self._sends):
-                if data is not None and self._xp.may_share_memory(data, buf):
-                    request.Wait()
-                    self._sends[k] = (request, None)
-            self._pool.give(buf)
-        self._releasing = []
+            readers = [k for k, (_, data) in enumerate(self._sends)
+                       if data is not None and self._xp.may_share_memory(data, buf)]
+            if all(self._sends[k][0].Test() for k in readers):
+                for k in readers:
+                    self._sends[k] = (self._sends[k][0], None)
+                self._pool.give(buf)
+            else:
+                still_read.append(buf)
+        self._releasing = still_read
         return self._pool.take(self._xp, *meta)
 
     # ------------------------------------------------------------------ compute

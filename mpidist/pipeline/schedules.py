@@ -177,9 +177,9 @@ def _place(orders: list[list[Action]], num_stages: int) -> list[list[Action | No
     return slots
 
 
-def _transfers_before(a: Action, schedule_pp: int, num_stages: int) -> Action | None:
+def _transfer_before(a: Action, pp: int, num_stages: int) -> Action | None:
     """The receive that compute action `a` needs posted first (None: input is local)."""
-    if schedule_pp == 1:
+    if pp == 1:
         return None
     if a.kind == FORWARD and a.stage > 0:
         return Action(RECV_F, a.microbatch, a.stage)
@@ -188,9 +188,9 @@ def _transfers_before(a: Action, schedule_pp: int, num_stages: int) -> Action | 
     return None
 
 
-def _transfer_after(a: Action, schedule_pp: int, num_stages: int) -> Action | None:
+def _transfer_after(a: Action, pp: int, num_stages: int) -> Action | None:
     """The send that follows compute action `a` (None: the consumer is local)."""
-    if schedule_pp == 1:
+    if pp == 1:
         return None
     if a.kind == FORWARD and a.stage < num_stages - 1:
         return Action(SEND_F, a.microbatch, a.stage)
@@ -205,14 +205,14 @@ def _with_transfers(slots: list[Action | None], pp: int, num_stages: int
     slots."""
     computes = [a for a in slots if a is not None]
     program: list[Action | None] = []
-    if computes and (first := _transfers_before(computes[0], pp, num_stages)):
+    if computes and (first := _transfer_before(computes[0], pp, num_stages)):
         program.append(first)
     k = 0
     for a in slots:
         if a is None:
             program.append(None)
             continue
-        if k + 1 < len(computes) and (nxt := _transfers_before(computes[k + 1], pp, num_stages)):
+        if k + 1 < len(computes) and (nxt := _transfer_before(computes[k + 1], pp, num_stages)):
             program.append(nxt)
         program.append(a)
         if (send := _transfer_after(a, pp, num_stages)):
@@ -320,14 +320,14 @@ def validate(schedule: Schedule) -> dict[str, list[int]]:
             if a.kind == BACKWARD and Action(FORWARD, a.microbatch, a.stage) not in seen:
                 raise ValueError(f"rank {r} runs {a} before its forward")
             if a.kind in COMPUTE:
-                before = _transfers_before(a, pp, S)
+                before = _transfer_before(a, pp, S)
                 if before is not None and before not in seen:
                     raise ValueError(f"rank {r} runs {a} without posting {before} first")
             elif a.kind in (SEND_F, SEND_B):
                 producer = Action(FORWARD if a.kind == SEND_F else BACKWARD, a.microbatch, a.stage)
                 if producer not in seen or _transfer_after(producer, pp, S) != a:
                     raise ValueError(f"rank {r} runs {a} before {producer} or without need")
-            elif _transfers_before(Action(FORWARD if a.kind == RECV_F else BACKWARD,
+            elif _transfer_before(Action(FORWARD if a.kind == RECV_F else BACKWARD,
                                           a.microbatch, a.stage), pp, S) != a:
                 raise ValueError(f"rank {r} posts {a}, which no compute needs")
             if a.kind in TRANSFERS:
@@ -372,7 +372,7 @@ def _simulate(schedule: Schedule) -> list[int]:
                 a = prog[pos[r]]
                 if a.kind in COMPUTE:
                     needed = [d for d in _dependencies(a, S) if schedule.rank_of(d.stage) == r]
-                    recv = _transfers_before(a, pp, S)
+                    recv = _transfer_before(a, pp, S)
                     if recv is not None:
                         needed.append(_matching(recv))
                     if not all(d in done for d in needed):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from mpidist.nn import GPT, MLP, SoftmaxCrossEntropy, materialize
+from mpidist.nn import GPT, MLP, Dropout, Linear, Sequential, SoftmaxCrossEntropy, materialize
 from mpidist.pipeline.executor import PipelineExecutor
 from mpidist.pipeline.partition import by_params
 from mpidist.pipeline.schedules import build_schedule
@@ -69,6 +69,28 @@ def test_pipeline_training_equals_single_rank(comm, name, virtual, recompute):
     assert _max_rel(mine, ref) < 1e-6
     # the loss is the pipeline-wide sum, the same on every rank
     assert np.isfinite(stats.loss_sum) and losses == [stats.loss_sum] * comm.size
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_identity_stages_pass_received_buffers_on(comm, name):
+    """Middle stages that return their input: the buffer they send is the one they received
+    (and their input gradient is the received gradient), so recycling must wait for it."""
+    def make():
+        mid = [Dropout(0.0) for _ in range(comm.size - 2)]
+        return Sequential(Linear(6, 1024), *mid, Linear(1024, 5))   # 16 KiB: not eager
+    x, y = _data(comm.size)
+    ref = _single_rank(make, x, y)
+    model = make()
+    layers = pipeline_layers(model)
+    stages = local_stages(layers, list(range(comm.size + 1)), comm.size, comm.rank)
+    layout, params, grads = materialize_stages(model, stages, dtype=np.float64, seed=3)
+    ex = PipelineExecutor(build_schedule(name, comm.size, M), stages, comm)
+    for _ in range(STEPS):
+        grads.data[...] = 0
+        ex.run(x, y)
+        params.data -= LR * grads.data
+    assert _max_rel(layout.views(params.data), ref) < 1e-6
 
 
 @pytest.mark.mpi(min_size=2)
