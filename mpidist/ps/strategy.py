@@ -101,7 +101,7 @@ class ParameterServerStrategy(Strategy):
         if self.ps.consistency.model == "bsp":
             self.step += 1                 # lockstep: every worker makes every step
         else:                              # steps' worth of updates, by all workers
-            self.step = max(self.step, self.worker.global_clock())
+            self.step = min(max(self.step, self.worker.global_clock()), self.total_steps)
         if self.step >= self.total_steps:
             self.worker.finish()
             self.worker.pull_final(out=self.params.data)
