@@ -2,7 +2,7 @@
 
     mpidist bench train                         # runs itself on 1, 2 and 4 ranks via mpiexec
     mpidist bench train --ranks 1,2 --steps 10 --out results/bench/train
-    python -m mpidist.launcher -n 2 -- mpidist bench train --worker   # one world size, by hand
+    python -m mpidist.launcher -n 2 -- mpidist bench train            # one world size only
 
 Model and data as in issue 6: an MLP 1024-2048-2048-10 (6.3M parameters), synthetic inputs,
 256 samples per rank, momentum SGD, one BLAS thread per rank. At each world size it times:
@@ -236,16 +236,17 @@ def _plot(rows, torch_rates, path):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.worker:
+    # started by mpiexec/srun itself: measure this world size only (mpiexec can not nest)
+    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID"))
+    if args.worker or launched:
         result = _worker(args)
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_rank() == 0:
-            text = json.dumps(result, indent=1)
             if args.json:
                 with open(args.json, "w") as fh:
-                    fh.write(text)
+                    fh.write(json.dumps(result, indent=1))
             else:
-                print(text)
+                print(_report([result], args, "", {}))
         return 0
     rows = _run_sizes(args)
     torch_rates, torch_note = {}, ""

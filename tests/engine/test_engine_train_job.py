@@ -2,6 +2,7 @@
 job trains to its target and leaves metrics and a plot. Launcher tests: single-rank session only."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -43,3 +44,17 @@ def test_main_job_end_to_end(tmp_path):
     steps = [r for r in rows if r["event"] == "step"]
     assert len(steps) == summary["steps"] and {"t_compute", "t_comm", "t_optim", "loss"} <= set(steps[0])
     assert (out / "training.png").stat().st_size > 10_000
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(240)
+def test_bench_train_runs_at_small_size(tmp_path):
+    """The driver (not under mpiexec) starts the 1- and 2-rank measurements itself."""
+    env = {k: v for k, v in launcher.mpi_env(1).items() if not k.startswith(("OMPI_COMM_WORLD", "PMIX_"))}
+    proc = subprocess.run([sys.executable, "-m", "mpidist", "bench", "train", "--ranks", "1,2", "--steps", "1",
+                           "--warmup", "0", "--hidden", "32", "--batch", "8", "--out", str(tmp_path)],
+                          timeout=220, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "train.json").read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2] and all(r["samples_per_s"] > 0 for r in rows)
+    assert "speed-up" in proc.stdout and (tmp_path / "train.png").exists()
