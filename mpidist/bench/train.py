@@ -237,7 +237,7 @@ def _plot(rows, torch_rates, path):
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     # started by mpiexec/srun itself: measure this world size only (mpiexec can not nest)
-    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID"))
+    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
     if args.worker or launched:
         result = _worker(args)
         from mpi4py import MPI
