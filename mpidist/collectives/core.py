@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.collectives import guard, native, ring, select
+from mpidist.collectives import guard, native, ring, select, shm
 from mpidist.collectives.ops import accumulator_dtype, check_dtype, dtype_name, get_op
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
 from mpidist.collectives.scratch import same_view
@@ -19,7 +19,7 @@ from mpidist.partition import chunk, counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run_allreduce"]
 
-_PARTS = {"ring": ring, "native": native}
+_PARTS = {"ring": ring, "shm": shm, "native": native}
 
 
 def _flat(x, what: str):
@@ -129,26 +129,30 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
     return buf if out is None else out
 
 
-def _part_module(algorithm: str):
+def _part_module(algorithm: str, c):
+    """The module for reduce_scatter/allgather; "auto": shm within one node, else ring."""
+    if algorithm == "auto":
+        return shm if shm.usable(c) else ring
     try:
         return _PARTS[algorithm]
     except KeyError:
         raise ValueError(f"unknown algorithm {algorithm!r} for reduce_scatter/allgather; "
-                         f"valid: {', '.join(_PARTS)}") from None
+                         f"valid: auto, {', '.join(_PARTS)}") from None
 
 
-def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="ring"):
+def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
     """Reduce `buf` over all ranks and return my shard: elements chunk(len(buf), rank, size).
 
     out: optional array of exactly that shard's length (may be that chunk of buf itself).
-    algorithm: "ring" (pipelined, bandwidth-optimal) or "native" (MPI_Reduce_scatter).
+    algorithm: "ring" (pipelined, bandwidth-optimal), "shm" (shared-memory window, one
+    node), "native" (MPI_Reduce_scatter), or "auto" (shm within one node, else ring).
     """
     c = as_communicator(comm)
     error, signature = None, None
     try:
         x = _flat(buf, "buf")
         opx = get_op(op)
-        part = _part_module(algorithm)
+        part = _part_module(algorithm, c)
         offset, count = chunk(x.size, c.rank, c.size)
         y = get_array_module(x).empty(count, dtype=x.dtype) if out is None else \
             _check_out(out, buf, count, "buf")
@@ -174,17 +178,17 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="ring"):
     return result
 
 
-def allgather(shard, *, comm=None, out=None, algorithm="ring"):
+def allgather(shard, *, comm=None, out=None, algorithm="auto"):
     """Gather every rank's shard into the full array; shard r holds chunk(n, r, size).
 
     Without out, n is the sum of the shard lengths (checked against the chunk() partition).
-    algorithm: "ring" or "native" (MPI_Allgatherv).
+    algorithm: "ring", "shm", "native" (MPI_Allgatherv) or "auto" (as in reduce_scatter).
     """
     c = as_communicator(comm)
     error, signature = None, None
     try:
         s = _flat(shard, "shard")
-        part = _part_module(algorithm)
+        part = _part_module(algorithm, c)
         if out is None:
             n = None
         else:

@@ -12,6 +12,7 @@ Memory traffic per rank: about 2n + (p+1)/p n + 2n bytes against the ring's 8n o
 three barriers instead of 2(p-1) handshaking steps. Each chunk is reduced by one rank in
 rank order, so every rank ends with the same bits.
 
+reduce_scatter is steps 1-2 and allgather publishes shards and does step 3, as ZeRO wants.
 Communicators spanning several nodes (real or simulated), and device buffers, fall back
 to the ring. The window is allocated on first use per communicator and grown when a
 larger message comes (collectively: every rank passes the same length).
@@ -30,7 +31,7 @@ from mpidist.collectives.ops import Op
 from mpidist.collectives.scratch import scratch
 from mpidist.partition import counts_displs
 
-__all__ = ["allreduce", "usable"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "usable"]
 
 _BLOCK_BYTES = 256 << 10
 _windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -74,32 +75,73 @@ def _barrier(comm, w: _Window) -> None:
     w.win.Sync()
 
 
+def _reduce_chunk(comm, part, lo_r: int, hi_r: int, op: Op, dst) -> None:
+    """dst = elements [lo_r, hi_r) reduced over every rank's slice, in rank order, one
+    cache-sized block at a time (dst may be my own slice's range)."""
+    p, dt = comm.size, dst.dtype
+    block = max(1, _BLOCK_BYTES // dt.itemsize)
+    tmp = scratch(comm, 40, min(block, hi_r - lo_r), dt)
+    for lo in range(lo_r, hi_r, block):
+        hi = min(lo + block, hi_r)
+        acc, out = tmp[:hi - lo], dst[lo - lo_r:hi - lo_r]
+        op.ufunc(part[0][lo:hi], part[1][lo:hi], out=acc if p > 2 else out)
+        for k in range(2, p):
+            op.ufunc(acc, part[k][lo:hi], out=acc if k < p - 1 else out)
+
+
+def _slices(comm, n: int, dt):
+    w = _window(comm, n * dt.itemsize)
+    return w, [s[:n * dt.itemsize].view(dt) for s in w.slices]
+
+
 def allreduce(comm, sendbuf, recvbuf, op: Op):
     """Shared-memory allreduce (recvbuf may be sendbuf); the ring where it can not run."""
     if not usable(comm) or not isinstance(sendbuf, np.ndarray):
         return ring.allreduce(comm, sendbuf, recvbuf, op)
     p, r = comm.size, comm.rank
-    n, dt = len(sendbuf), sendbuf.dtype
-    counts, displs = counts_displs(n, p)
-    w = _window(comm, n * dt.itemsize)
-    part = [s[:n * dt.itemsize].view(dt) for s in w.slices]
+    counts, displs = counts_displs(len(sendbuf), p)
+    w, part = _slices(comm, len(sendbuf), sendbuf.dtype)
     # 1. publish my input (after everyone has finished reading the previous call's results)
     _barrier(comm, w)
     part[r][...] = sendbuf
     _barrier(comm, w)
-    # 2. reduce my chunk over every rank's copy, one cache-sized block at a time
-    lo_r, hi_r = displs[r], displs[r] + counts[r]
-    block = max(1, _BLOCK_BYTES // dt.itemsize)
-    tmp = scratch(comm, 40, min(block, counts[r]), dt)
-    for lo in range(lo_r, hi_r, block):
-        hi = min(lo + block, hi_r)
-        acc = tmp[:hi - lo]
-        op.ufunc(part[0][lo:hi], part[1][lo:hi], out=acc if p > 2 else part[r][lo:hi])
-        for k in range(2, p):
-            op.ufunc(acc, part[k][lo:hi], out=acc if k < p - 1 else part[r][lo:hi])
-    op.finalize(part[r][lo_r:hi_r], p)
+    # 2. reduce my chunk over every rank's copy into my own slice
+    lo, hi = displs[r], displs[r] + counts[r]
+    _reduce_chunk(comm, part, lo, hi, op, part[r][lo:hi])
+    op.finalize(part[r][lo:hi], p)
     # 3. gather every rank's reduced chunk
     _barrier(comm, w)
     for j in range(p):
         recvbuf[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
     return recvbuf
+
+
+def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = None):
+    """Steps 1 and 2 of the allreduce: my chunk, reduced, into `shard`."""
+    if not usable(comm) or not isinstance(sendbuf, np.ndarray):
+        return ring.reduce_scatter(comm, sendbuf, shard, op, finalize_n=finalize_n)
+    p, r = comm.size, comm.rank
+    counts, displs = counts_displs(len(sendbuf), p)
+    w, part = _slices(comm, len(sendbuf), sendbuf.dtype)
+    _barrier(comm, w)
+    part[r][...] = sendbuf
+    _barrier(comm, w)
+    _reduce_chunk(comm, part, displs[r], displs[r] + counts[r], op, shard)
+    if finalize_n is not None:
+        op.finalize(shard, finalize_n)
+    return shard
+
+
+def allgather(comm, shard, out):
+    """Publish my shard at its place in my slice; copy everyone's into out."""
+    if not usable(comm) or not isinstance(out, np.ndarray):
+        return ring.allgather(comm, shard, out)
+    p, r = comm.size, comm.rank
+    counts, displs = counts_displs(len(out), p)
+    w, part = _slices(comm, len(out), out.dtype)
+    _barrier(comm, w)
+    part[r][displs[r]:displs[r] + counts[r]] = shard
+    _barrier(comm, w)
+    for j in range(p):
+        out[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
+    return out

@@ -9,7 +9,7 @@ from mpidist.errors import RemoteError
 from mpidist.partition import chunk
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "native"])
+@pytest.mark.parametrize("algorithm", ["ring", "shm", "native", "auto"])
 def test_reduce_scatter_then_allgather(comm, algorithm):
     cases = [(np.dtype(dt), op, n, make(comm.rank, dt, op, n, i))
              for i, (dt, op, n) in enumerate(
@@ -32,7 +32,7 @@ def test_reduce_scatter_then_allgather(comm, algorithm):
     assert not bad, bad[:5]
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "native"])
+@pytest.mark.parametrize("algorithm", ["ring", "shm", "native", "auto"])
 def test_in_place_into_own_chunk(comm, algorithm):
     n = 4 * comm.size + 3
     x = np.arange(n, dtype=np.float64) + comm.rank
