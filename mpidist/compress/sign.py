@@ -4,7 +4,9 @@ Each chunk of `chunk` elements sends its signs (1 bit each, packed 8 per byte) a
 float32 scale s = ||x_c||_1 / |c|; it decodes to s * sign(x) (zero counts as +). The
 scale minimises the chunk's squared error, which is then exactly
   ||x_c - C(x_c)||^2 = ||x_c||^2 - ||x_c||_1^2 / |c|   (< ||x_c||^2 unless x_c = 0).
-Payload: (bits uint8[ceil(n/8)], scales float32[ceil(n/chunk)]): 1/32 + 1/chunk of fp32.
+Payload: (bits uint8[ceil(n/8)], scales float32[ceil(n/chunk)]): 1/32 + 1/chunk of fp32
+(0.035x at the default chunk of 256; on the digits job 256 trained as well as 64 or 128,
+and better than 512).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ class Sign(Compressor):
     name = "sign"
     aggregation = "gather"
 
-    def __init__(self, *, chunk: int = 512, error_feedback: bool = True, seed: int = 0):
+    def __init__(self, *, chunk: int = 256, error_feedback: bool = True, seed: int = 0):
         super().__init__(error_feedback=error_feedback, seed=seed)
         self.chunk = check_multiple_of_8(chunk, "sign chunk")
 
