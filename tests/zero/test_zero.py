@@ -14,7 +14,7 @@ from mpidist.collectives import allreduce
 from mpidist.comm import Communicator
 from mpidist.engine.strategy import gather_state
 from mpidist.flat import FlatBuffer, Layout
-from mpidist.nn import CNN, GPT, MLP, Linear, Module, SoftmaxCrossEntropy
+from mpidist.nn import CNN, GPT, MLP, Linear, Module, Sequential, SoftmaxCrossEntropy
 from mpidist.optim import build_optimizer
 from mpidist.partition import chunk
 from mpidist.zero import build_zero, model_state_bytes
@@ -151,6 +151,19 @@ def test_stage2_and_3_with_nested_and_convolutional_layers(comm, case):
                                     bucket_mb=0)
         assert rel(got, ref) <= 1e-6
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+
+
+def test_more_ranks_than_parameters(comm):
+    """3 parameters: at 4 ranks one shard is empty, and every stage still trains like dp."""
+    def tiny():
+        return Sequential(Linear(1, 3, bias=False))
+    rng = np.random.default_rng(5)
+    xs, ys = rng.normal(size=(3, 8, 1)), rng.integers(0, 3, size=(3, 8))
+    ref, _ = data_parallel(tiny(), "lamb", np.float32, comm, xs, ys)
+    for stage in (1, 2, 3):
+        eng, got, _ = train_zero(stage, tiny(), "lamb", np.float32, comm, xs, ys)
+        assert eng.count == chunk(3, comm.rank, comm.size)[1]
+        assert rel(got, ref) <= 1e-6
 
 
 def test_stage3_on_a_one_rank_communicator(comm):
