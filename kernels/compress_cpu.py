@@ -13,12 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode", "sign_encode",
-           "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "hash_uniform",
-           "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add",
-           "qsgd_width"]
-
-_M32 = np.uint64(0xFFFFFFFF)
+__all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode",
+           "sign_encode", "sign_decode_add", "qsgd_width", "qsgd_encode", "qsgd_decode_add",
+           "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add"]
 _ABS = np.uint32(0x7FFFFFFF)
 _INF32 = np.uint32(0x7F800000)
 

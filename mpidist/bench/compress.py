@@ -240,7 +240,8 @@ def _plot(report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mpidist bench compress", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mpidist bench compress",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--numel", type=int, default=25_000_000, help="gradient length (25M)")
     parser.add_argument("--steps", type=int, default=3, help="allreduce calls per compressor")
     parser.add_argument("--reps", type=int, default=3, help="kernel timings (best of)")

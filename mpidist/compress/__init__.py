@@ -16,8 +16,9 @@ from mpidist.compress.randomk import RandomK
 from mpidist.compress.sign import Sign
 from mpidist.compress.topk import TopK
 
-__all__ = ["make_compressor", "build_compressor", "compressor_names", "Compressor", "CompressedAllreduce",
-           "FP16", "BF16", "TopK", "RandomK", "Sign", "QSGD", "PowerSGD", "COMPRESSORS"]
+__all__ = ["make_compressor", "build_compressor", "compressor_names", "COMPRESSORS",
+           "Compressor", "CompressedAllreduce", "FP16", "BF16", "TopK", "RandomK", "Sign",
+           "QSGD", "PowerSGD"]
 
 COMPRESSORS = {cls.name: cls for cls in (FP16, BF16, TopK, RandomK, Sign, QSGD, PowerSGD)}
 

@@ -108,7 +108,8 @@ class _Ring:
         blocks[self.rank] = mine
         for s in range(self.size - 1):
             # send block (r - s), receive block (r - s - 1)
-            blocks[(self.rank - s - 1) % self.size] = self.shift(blocks[(self.rank - s) % self.size])
+            mine = blocks[(self.rank - s) % self.size]
+            blocks[(self.rank - s - 1) % self.size] = self.shift(mine)
         return blocks
 
     def allreduce(self, x: np.ndarray, codec) -> np.ndarray:

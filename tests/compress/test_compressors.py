@@ -153,7 +153,8 @@ def test_powersgd_recovers_low_rank_layers():
     views = {}
     for s in LAYOUT:
         if len(s.shape) == 2:
-            views[s.name] = rng.standard_normal((s.shape[0], 2)) @ rng.standard_normal((2, s.shape[1]))
+            a, b = rng.standard_normal((s.shape[0], 2)), rng.standard_normal((2, s.shape[1]))
+            views[s.name] = a @ b
         else:
             views[s.name] = rng.standard_normal(s.shape)
     x = np.concatenate([views[s.name].ravel() for s in LAYOUT]).astype(np.float32)
