@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 
 import numpy as np
@@ -36,6 +37,7 @@ from mpidist.pipeline.executor import PipelineExecutor
 from mpidist.pipeline.partition import measure_layer_costs, stage_bounds
 from mpidist.pipeline.schedules import build_schedule
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
+from mpidist.pipeline.timing import gather_events, plot_timeline
 
 __all__ = ["PipelineStrategy"]
 
@@ -208,6 +210,20 @@ class PipelineStrategy(Strategy):
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
         self.step = int(source.step)
         self.grads.data[...] = 0
+
+    def close(self) -> None:
+        """Collective: replica 0 draws its last step as it ran into
+        <out_dir>/pipeline_timeline.png (when the job plots)."""
+        if self.last_stats is None or not self.config["job"]["plot"] or self.grid.replica:
+            return
+        events = gather_events(self.last_stats, self.grid.pp_comm)
+        if self.grid.pp_comm.rank == 0:
+            out = self.config["job"]["out_dir"]
+            os.makedirs(out, exist_ok=True)
+            s = self.schedule
+            plot_timeline(events, os.path.join(out, "pipeline_timeline.png"),
+                          f"{s.name}: p={s.pp}, m={s.microbatches}, step {self.step} of "
+                          f"replica 0", virtual=s.virtual, pp=s.pp)
 
     def memory_report(self) -> dict:
         optim = sum(int(b.nbytes) for b in self.optimizer.state_buffers().values())

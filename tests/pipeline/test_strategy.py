@@ -157,3 +157,4 @@ def test_train_transformer_lm_as_two_stages_by_two_replicas(tmp_path):
     assert np.mean([r["loss"] for r in steps[-5:]]) < np.mean([r["loss"] for r in steps[:5]]) - 1.0
     assert summary["memory"]["activations"] > 0
     assert (out / "training.png").stat().st_size > 10_000
+    assert (out / "pipeline_timeline.png").stat().st_size > 10_000
