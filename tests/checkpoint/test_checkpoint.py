@@ -207,3 +207,65 @@ def test_preemption_flag_is_agreed_by_every_rank(comm):
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     with pytest.raises(ValueError, match="unknown signal"):
         Preemption(comm, signals=("SIGNOPE",))
+
+
+class _Strategy:
+    """The part of the engine's Strategy contract the checkpoint hook uses."""
+
+    def __init__(self, comm, n=10):
+        self.comm, self.step, self.w = comm, 0, np.zeros(n)
+
+    def state_dict(self):
+        from mpidist.engine.strategy import StateDict, TensorPiece
+        o, c = chunk(self.w.size, self.comm.rank, self.comm.size)
+        return StateDict(self.step, {"params/w": TensorPiece((self.w.size,), o, self.w[o:o + c])},
+                         {"optim_step": self.step})
+
+    def load_state_dict(self, source):
+        self.w = source.read("params/w").copy()
+        self.step = source.step
+
+
+def test_training_hook_saves_resumes_and_stops_on_signal(comm, shared_dir):
+    from mpidist.checkpoint.hook import make_hook
+    config = {"checkpoint": {"dir": shared_dir, "interval": 2, "keep": 2},
+              "job": {"steps_per_epoch": 4, "seed": 0}, "parallel": {"strategy": "toy"}}
+    hook = make_hook(config, comm)
+    s = _Strategy(comm)
+    try:
+        assert hook.resume(s) is False
+        for _ in range(3):                       # steps 1..3: saved at 2
+            s.step += 1
+            s.w += s.step
+            hook.after_step(s, last=False)
+        np.random.seed(1234 + comm.rank)         # the RNG state step 4 saves, per rank
+        assert hook.manager.steps() == [2]
+        if comm.rank == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        s.step += 1
+        s.w += s.step
+        with pytest.raises(SystemExit) as stop:  # every rank: saves step 4, exits 75
+            hook.after_step(s, last=False)
+        assert stop.value.code == 75
+    finally:
+        hook.close()
+    assert hook.manager.steps() == [2, 4]
+    info = inspect_checkpoint(hook.manager.path(4))
+    assert info["epoch"] == 1 and info["meta"]["loader"] == {"epoch": 1, "batch": 0, "seed": 0}
+    assert info["scalars"] == {"optim_step": 4}
+    # a new run (same world size) resumes the tensors, the step and each rank's RNG
+    np.random.seed(99)
+    again = _Strategy(comm)
+    hook = make_hook(config, comm)
+    try:
+        assert hook.resume(again) is True
+    finally:
+        hook.close()
+    assert again.step == 4 and np.array_equal(again.w, np.full(10, 10.0))
+    assert np.array_equal(np.random.rand(3), np.random.RandomState(1234 + comm.rank).rand(3))
+    with pytest.raises(IncompatibleCheckpointError, match="params/w"):
+        hook = make_hook(config, comm)
+        try:
+            hook.resume(_Strategy(comm, n=12))
+        finally:
+            hook.close()

@@ -20,8 +20,15 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 TOY = os.path.join(HERE, "toyjob.py")
 
 
+def clean_env(n):
+    """Environment for a job of n ranks, without the variables of the MPI job we may be in
+    (under `mpiexec -n 1 pytest` a nested mpiexec would take them for its own)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    return mpi_env(n, base)
+
+
 def launch(n, argv, timeout=120, **kw):
-    return subprocess.run(mpiexec_argv(n, [sys.executable] + argv), env=mpi_env(n),
+    return subprocess.run(mpiexec_argv(n, [sys.executable] + argv), env=clean_env(n),
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
 
 
@@ -75,7 +82,7 @@ def test_sigterm_mid_run_checkpoints_and_exits_cleanly_on_every_rank(tmp_path, c
     checkpoint together and exit with the requeue code."""
     proc = subprocess.Popen(mpiexec_argv(3, [sys.executable, TOY, "--dir", str(tmp_path), "--steps",
                                              "10000", "--every", "100000", "--sleep", "0.05"]),
-                            env=mpi_env(3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=clean_env(3), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, cwd=ROOT)
     try:
         _wait_for(lambda: all((tmp_path / f"pid.{r}").exists() for r in range(3)), 60, "ranks to start")

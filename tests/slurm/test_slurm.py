@@ -23,12 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TOY = os.path.join("tests", "checkpoint", "toyjob.py")
 
 
+def clean_env() -> dict:
+    """os.environ as Python saw it at start-up, without Open MPI/PMIx variables: neither those
+    of an mpiexec we run under nor those the singleton MPI_Init of this process put into the
+    C environment (a job inheriting them would take its own mpiexec for part of ours)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+
+
 def sh(*argv, timeout=60, check=True):
-    # env: os.environ as Python saw it at start-up, without the PMIx/Open MPI variables the
-    # singleton MPI_Init of this process put into the C environment (a job inheriting them
-    # would take its mpiexec for a singleton)
     proc = subprocess.run(list(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ))
+                          env=clean_env())
     if check:
         assert proc.returncode == 0, f"{argv}: rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -41,7 +45,7 @@ def scheduler():
     running = subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0 \
         if _have("sinfo") else False
     proc = subprocess.run(["bash", "slurm/start_local.sh"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ))
+                          text=True, timeout=900, env=clean_env())
     assert proc.returncode == 0, f"slurm/start_local.sh failed:\n{proc.stdout}\n{proc.stderr}"
     yield
     if not running:
@@ -148,9 +152,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path):
     stop = int(preempted[0][1])
     assert out["restart"] == "1" and out["resumed_from"]["step"] == stop
     ref = tmp_path / "ref"
-    proc = subprocess.run(mpiexec_argv(2, [sys.executable, TOY, "--dir", str(ref), "--steps", steps,
-                                           "--out", str(ref / "out.json")]),
-                          env=mpi_env(2), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    argv = [sys.executable, TOY, "--dir", str(ref), "--steps", steps, "--out", str(ref / "out.json")]
+    proc = subprocess.run(mpiexec_argv(2, argv), env=mpi_env(2, clean_env()), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     want = json.loads((ref / "out.json").read_text())
     np.testing.assert_allclose(out["losses"], want["losses"], rtol=1e-6, atol=0)
