@@ -36,9 +36,9 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
     """Collective: write `tensors` to the HDF5 file `path`, atomically; returns path.
 
     step, epoch: where training stands; scalars: small JSON-able state the same on all
-    ranks (optimizer step count, data-loader position, ...; taken from rank 0); meta: JSON-able description (config,
-    strategy, ...; rank 0's); rank_meta: JSON-able per-rank state (RNG states), stored as
-    a list indexed by rank. collective: use collective MPI-IO writes (else independent).
+    ranks (optimizer step count, ...; rank 0's); meta: a JSON-able description (config,
+    strategy, data-loader position, ...; rank 0's); rank_meta: JSON-able per-rank state
+    (RNG states), stored as a list indexed by rank. collective: use collective MPI-IO writes (else independent).
     The file is written as `.<name>.tmp` in the same directory, flushed, fsync'ed and
     renamed, so `path` is either the previous file or the complete new one. A failure on any
     rank (bad input, full disk) raises CheckpointError/ValueError on every rank and leaves
