@@ -140,6 +140,21 @@ def test_ring_with_error_feedback_loses_nothing(comm, name, opts):
     assert ca.bytes_sent <= 2 * (p - 1) * msg
 
 
+@pytest.mark.parametrize("algorithm", ["gather", "ring"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_gradients_shorter_than_the_ring(comm, algorithm, n):
+    """Empty ring chunks (n < p) travel as empty messages; the sums stay right."""
+    p = comm.size
+    for name, opts in [("fp16", {}), ("sign", {"chunk": 8}), ("topk", {"ratio": 0.5})]:
+        ca = CompressedAllreduce(make_compressor(name, **opts), comm, algorithm=algorithm)
+        out = ca(rank_grad(comm.rank, 0, n))
+        assert out.shape == (n,) and all_same(comm, out)
+        if name == "fp16":
+            grads = np.stack([rank_grad(r, 0, n).astype(np.float64) for r in range(p)])
+            tol = (p + 1) * 2.0**-11 * np.abs(grads).sum(axis=0) / p
+            assert np.all(np.abs(out - grads.mean(axis=0)) <= tol)
+
+
 def test_warmup_runs_the_dense_ring(comm):
     p, n = comm.size, 5003
     ca = CompressedAllreduce(make_compressor("topk", ratio=0.01), comm, warmup_steps=1)
