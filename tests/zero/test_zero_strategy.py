@@ -86,11 +86,14 @@ def test_zero_strategy_checks_its_keys(comm):
 
 
 def _train(job, out, tmp_path):
+    # a session started by mpiexec -n 1 passes its Open MPI/PMIx variables on, and a child
+    # mpiexec seeing them refuses to start ("recursive calls"): start it from a clean env
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "OPAL_"))}
     proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", str(job),
                             "--set", f"job.out_dir='{out}'", "--set", "job.progress=false",
                             "--set", "job.plot=false", "--set", f"data.cache_dir='{tmp_path}'",
                             "--set", f"checkpoint.dir='{out / 'ckpt'}'"],
-                        timeout=280, capture_output=True, text=True, cwd=tmp_path)
+                        timeout=280, capture_output=True, text=True, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     return proc, json.loads((out / "summary.json").read_text()), rows
