@@ -9,6 +9,8 @@ the model states are partitioned over the ranks as the stage says. The loss and 
 are normalised exactly as the data-parallel strategy does them, so a ZeRO run follows the
 data-parallel run of the same config step for step. Each rank's memory report is printed at
 start (rank 0 prints every rank's) and returned in every step's metrics (mem_* keys).
+[parallel] algorithm does not apply: stage 1 uses the ring reduce-scatter and allgather,
+stages 2 and 3 the sharded exchanges of mpidist.zero.exchange.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import logging
 
 from mpidist.engine.strategy import StateDict, Strategy, build_model_from_config, lr_schedule
 from mpidist.errors import ConfigError
+from mpidist.optim import build_optimizer
 from mpidist.zero import build_zero, check_stage
 
 __all__ = ["ZeroStrategy"]
@@ -38,7 +41,6 @@ class ZeroStrategy(Strategy):
             if p[key] != plain:
                 raise ConfigError(f"[parallel] {key} = {p[key]!r} is not supported with "
                                   f"strategy = 'zero'; remove it or use strategy = 'dp'")
-        from mpidist.optim import build_optimizer
 
         def make_optimizer(layout, offset, count, dtype):
             return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"],
