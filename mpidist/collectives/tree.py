@@ -62,9 +62,9 @@ def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees: list[Tree]):
     nseg = max((len(s) for s in plans), default=0)
     slots = {}
     for ti, t in enumerate(trees):
+        need = t.hi - t.lo if len(plans[ti]) <= _WINDOW else _WINDOW * seg
         for ci in range(len(t.children)):
-            slots[ti, ci] = scratch(comm, 10 + 2 * ti + ci, _WINDOW * seg, sendbuf.dtype,
-                                    like=sendbuf)
+            slots[ti, ci] = scratch(comm, 10 + 2 * ti + ci, need, sendbuf.dtype, like=sendbuf)
 
     def post_child(ti, ci, k):
         a, b = plans[ti][k]
