@@ -49,12 +49,9 @@ class ParameterServerStrategy(Strategy):
             raise ConfigError("[checkpoint] interval/resume: the parameter server's asynchronous "
                               "workers have no common step to checkpoint at; drop them for "
                               "strategy = 'ps'")
-        try:
-            model = Consistency(p["consistency"], p["staleness"] if p["consistency"] == "ssp" else 0)
-        except ValueError as exc:
-            raise ConfigError(f"[parallel] {exc}") from None
         if p["consistency"] != "ssp" and p["staleness"]:
             raise ConfigError("[parallel] staleness applies to consistency = 'ssp' only")
+        model = Consistency(p["consistency"], p["staleness"])
         self.model = build_model_from_config(config, meta)
         self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32,
                                                            seed=config["job"]["seed"])

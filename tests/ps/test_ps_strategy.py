@@ -66,6 +66,10 @@ def test_ps_strategy_rejects_checkpoints(comm, shared_tmp):
     cfg["job"]["total_steps"] = 6
     with pytest.raises(ConfigError, match="checkpoint"):
         ParameterServerStrategy(cfg, comm, meta)
+    cfg["checkpoint"]["interval"] = 0
+    cfg["parallel"]["staleness"] = 2                 # consistency is bsp
+    with pytest.raises(ConfigError, match="staleness"):
+        ParameterServerStrategy(cfg, comm, meta)
 
 
 @pytest.mark.launcher
