@@ -37,14 +37,15 @@ def _single_rank(make, x, y, steps=STEPS):
     return layout.views(params.data)
 
 
-def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS, keep_grads=False):
+def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS, keep_grads=False,
+              progress_thread=None):
     model = make()
     layers = pipeline_layers(model)
     bounds = by_params([l for _, l in layers], comm.size * virtual)
     stages = local_stages(layers, bounds, comm.size, comm.rank)
     layout, params, grads = materialize_stages(model, stages, dtype=np.float64, seed=3)
     ex = PipelineExecutor(build_schedule(name, comm.size, M, virtual), stages, comm,
-                          recompute=recompute)
+                          recompute=recompute, progress_thread=progress_thread)
     stats = None
     for _ in range(steps):
         grads.data[...] = 0
@@ -69,6 +70,17 @@ def test_pipeline_training_equals_single_rank(comm, name, virtual, recompute):
     assert _max_rel(mine, ref) < 1e-6
     # the loss is the pipeline-wide sum, the same on every rank
     assert np.isfinite(stats.loss_sum) and losses == [stats.loss_sum] * comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_progress_thread_changes_timing_only(comm):
+    x, y = _data(comm.size)
+    with_thread, _, ex = _pipeline(comm, _mlp, x, y, "1f1b", keep_grads=True)
+    without, _, ex_off = _pipeline(comm, _mlp, x, y, "1f1b", keep_grads=True,
+                                   progress_thread=False)
+    assert ex.progress_thread and not ex_off.progress_thread      # mpi4py: THREAD_MULTIPLE
+    for name, g in with_thread.items():
+        np.testing.assert_array_equal(without[name], g)
 
 
 @pytest.mark.mpi(min_size=3)
