@@ -3,6 +3,7 @@ in steady state. One set per communicator (the async worker has its own communic
 so it never shares a buffer with the caller's thread)."""
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -12,6 +13,7 @@ from mpidist.kernels.backend import get_array_module
 __all__ = ["scratch", "release", "same_view"]
 
 _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 
 def scratch(comm, slot: int, count: int, dtype, like=None):
@@ -22,7 +24,10 @@ def scratch(comm, slot: int, count: int, dtype, like=None):
     """
     xp = np if like is None else get_array_module(like)
     dt = np.dtype(dtype)
-    per_comm = _buffers.setdefault(comm, {})
+    per_comm = _buffers.get(comm)
+    if per_comm is None:
+        with _lock:                      # the async worker thread allocates for its own comm
+            per_comm = _buffers.setdefault(comm, {})
     key = (slot, xp.__name__)
     buf = per_comm.get(key)
     nbytes = count * dt.itemsize
@@ -34,10 +39,11 @@ def scratch(comm, slot: int, count: int, dtype, like=None):
 
 def release(comm=None) -> None:
     """Drop the cached scratch memory of one communicator (or of all)."""
-    if comm is None:
-        _buffers.clear()
-    else:
-        _buffers.pop(comm, None)
+    with _lock:
+        if comm is None:
+            _buffers.clear()
+        else:
+            _buffers.pop(comm, None)
 
 
 def same_view(a, b) -> bool:

@@ -21,6 +21,7 @@ Cost: 3 alpha (barriers) + 2 n beta (copies in and out) + n gamma.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -35,6 +36,7 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "usable"]
 
 _BLOCK_BYTES = 256 << 10
 _windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
 
 
 def usable(comm) -> bool:
@@ -64,7 +66,8 @@ def _window(comm, nbytes: int) -> _Window:
         if w is not None:
             w.free()
         w = _Window(comm, max(nbytes, w.nbytes * 2 if w is not None else 1 << 16))
-        _windows[comm] = w
+        with _lock:
+            _windows[comm] = w
     return w
 
 
