@@ -240,3 +240,15 @@ def test_pulls_are_never_torn_and_never_go_back(comm):
             final = ps.worker.pull_final()           # waits until every push is applied
             assert ps.worker.global_clock() == K and (final == ps.num_workers * K).all()
     assert bad == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_silent_server_makes_workers_time_out_not_hang(comm):
+    """The server never serves (as if it had died): the workers' bounded waits raise."""
+    import time
+    t0 = time.monotonic()
+    with pytest.raises((RuntimeError, RemoteError), match="timed out|failed"):
+        with ParameterServer(np.zeros(4), comm=comm, consistency="bsp", timeout=1.5) as ps:
+            if ps.worker is not None:
+                ps.run(lambda p, t: np.ones(4), 3)
+    assert time.monotonic() - t0 < 30
