@@ -6,7 +6,7 @@ schedules on uniform stages, against the ideal bubble (p - 1) / (m + p - 1).
     python -m mpidist.launcher -n 2 -- mpidist bench pipeline --schedules gpipe,1f1b,interleaved
 
 Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls, no sleeps), so
-the stages are uniform; a micro-batch is `--rows` rows. For each schedule, p in --stages
+the stages are uniform (interleaved: `--virtual` chunks of layers / virtual blocks); a micro-batch is `--rows` rows. For each schedule, p in --stages
 (the first p ranks run it, the others sleep) and m in --microbatches: one warm-up step, then
 --steps steps; the figures are medians over those steps. "bubble" is the mean over ranks of
 idle / makespan (mpidist.pipeline.timing), "err" its distance from the ideal relative to
@@ -67,6 +67,8 @@ def _parse(argv):
     for what in ("virtual", "dim", "rows", "layers", "steps"):
         if getattr(args, what) < 1:
             p.error(f"--{what} must be >= 1")
+    if "interleaved" in args.schedules and args.layers % args.virtual:
+        p.error(f"--layers {args.layers} must split into --virtual {args.virtual} chunks per rank")
     return args
 
 
@@ -88,9 +90,9 @@ def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
     from mpidist.pipeline.timing import gather_events, summarize
 
     v = args.virtual if name == "interleaved" else 1
-    model = _uniform_model(p * v, args.layers, args.dim)
+    model = _uniform_model(p * v, args.layers // v, args.dim)    # same work per rank
     layers = pipeline_layers(model)
-    per = 2 * args.layers
+    per = 2 * (args.layers // v)
     bounds = list(range(0, len(layers) + 1, per))
     stages = local_stages(layers, bounds, p, comm.rank)
     _, _, grads = materialize_stages(model, stages, dtype=np.float32, seed=0)
