@@ -84,9 +84,11 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
         opx = get_op(op)
         if algorithm != "auto":
             get_algorithm(algorithm)
-        y = x if out is None else _check_out(out, buf, x.size, "buf")
+        y = x if out is None or out is buf else _check_out(out, buf, x.size, "buf")
         if y is not x and _overlap(x, y):
             raise ValueError("out overlaps buf; pass out=None to reduce in place")
+        if not y.flags.writeable:
+            raise ValueError("the result array is read-only; pass a writeable out=")
         signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
                      ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
@@ -156,6 +158,8 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
         offset, count = chunk(x.size, c.rank, c.size)
         y = get_array_module(x).empty(count, dtype=x.dtype) if out is None else \
             _check_out(out, buf, count, "buf")
+        if not y.flags.writeable:
+            raise ValueError("out is read-only; pass a writeable out=")
         in_place = count > 0 and _overlap(x, y)
         if in_place and not same_view(x[offset:offset + count], y):
             raise ValueError(f"out overlaps buf other than as this rank's chunk "
@@ -197,6 +201,8 @@ def allgather(shard, *, comm=None, out=None, algorithm="auto"):
                 raise TypeError(f"out ({type(out).__name__} {out.dtype}) must match the shard "
                                 f"({type(shard).__name__} {shard.dtype})")
             n = yo.size
+            if not yo.flags.writeable:
+                raise ValueError("out is read-only; pass a writeable out=")
             if s.size != chunk(n, c.rank, c.size)[1]:
                 raise ValueError(f"shard has {s.size} elements but chunk({n}, {c.rank}, "
                                  f"{c.size}) has {chunk(n, c.rank, c.size)[1]}")

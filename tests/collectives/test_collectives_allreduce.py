@@ -94,3 +94,9 @@ def test_bad_arguments_raise_on_every_rank(comm):
         allreduce(y[:5], comm=comm, out=y[2:7])
     with pytest.raises(TypeError, match="dtype"):
         allreduce(x, comm=comm, out=np.ones(5, np.float64))
+    ro = np.ones(5, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        allreduce(ro, comm=comm)
+    m = np.ones((2, 3), np.int64)
+    assert allreduce(m, comm=comm, out=m) is m and np.all(m == comm.size)   # out=buf: in place
