@@ -36,7 +36,7 @@ run() {  # run LABEL NRANKS PYTEST-ARGS...
   fi
 }
 
-run n1 plain tests "$@"
+run n1 plain tests --durations=15 "$@"
 for n in 2 3 4; do run "n$n" "$n" tests "$@"; done
 run n5 5 tests/test_comm.py tests/collectives "$@"
 

@@ -22,6 +22,7 @@ from mpi4py import MPI
 _WORLD = MPI.COMM_WORLD
 _HARNESS = _WORLD.Dup()          # the harness's own channel: never mixed with test traffic
 RANK, SIZE = _HARNESS.Get_rank(), _HARNESS.Get_size()
+_RANK_LOG = None                 # ranks > 0: the file their report goes to
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -37,11 +38,22 @@ def pytest_configure(config):
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
         logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
         path = os.path.join(logdir, f"rank{RANK}.log") if logdir else os.devnull
-        log = open(path, "w", buffering=1)
+        global _RANK_LOG
+        _RANK_LOG = open(path, "w", buffering=1)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(log.fileno(), 1)              # everything this rank prints, Python or not
-        os.dup2(log.fileno(), 2)
+        os.dup2(_RANK_LOG.fileno(), 1)        # what this rank prints outside pytest's capture
+        os.dup2(_RANK_LOG.fileno(), 2)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Ranks other than 0 write their pytest report to their log, not the terminal."""
+    if _RANK_LOG is not None:
+        from _pytest.config import create_terminal_writer
+        reporter = session.config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            reporter._tw = create_terminal_writer(session.config, _RANK_LOG)
 
 
 def pytest_report_header(config):
