@@ -59,10 +59,10 @@ def _max_rel(mine, ref):
                default=0.0)      # a rank may hold only parameter-free layers
 
 
-@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("recompute", [False, True], ids=["stash", "recompute"])
 @pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_pipeline_training_equals_single_rank(comm, name, virtual, recompute):
+    """On one rank the stages hand over locally (interleaved: 2 chunks on the one rank)."""
     x, y = _data(comm.size)
     ref = _single_rank(_mlp, x, y)
     mine, stats, _ = _pipeline(comm, _mlp, x, y, name, virtual, recompute)
