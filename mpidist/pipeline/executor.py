@@ -2,7 +2,9 @@
 
 Transfers are nonblocking: a RECV action posts an Irecv into a pooled buffer (one compute
 action ahead, as the schedule places it) and the compute that needs it waits; a SEND
-action posts an Isend that completes in the background. Shapes and dtypes of the
+action posts an Isend that completes in the background (a helper thread keeps MPI
+progressing while the rank computes, or "background" would mean "at the next MPI call").
+Shapes and dtypes of the
 activations cross each stage boundary once (a small pickled message before the first
 activation; gradients have the shape of the activation they belong to), so every later
 transfer lands in a reused buffer of the right size. They are exchanged again only when
