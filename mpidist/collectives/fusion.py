@@ -141,6 +141,8 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
             dests = list(out)
             for a, o in zip(arrays, dests):
                 _check_out(o, a, a.size, "buf")
+        if not all(d.flags.writeable for d in dests):
+            raise ValueError("a result array is read-only; pass writeable arrays (or out=)")
         groups = buckets(flat, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
         shape = [(len(g), sum(flat[i].size for i in g), str(flat[g[0]].dtype)) for g in groups]
         signature = ("allreduce_async", ("buckets", tuple(shape)), ("op", opx.name),
