@@ -28,6 +28,7 @@ from mpidist.engine.strategy import StateDict, flat_pieces, read_flat
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module
 from mpidist.nn.loss import SoftmaxCrossEntropy
+from mpidist.partition import chunk
 from mpidist.zero.exchange import ShardMap
 from mpidist.zero.memory import InFlight, MemoryReport, nbytes
 from mpidist.zero.units import find_units, placeholder
@@ -67,13 +68,16 @@ class ZeroEngine(abc.ABC):
     dtype: parameter and gradient dtype (fp16/bf16: the optimizer keeps fp32 masters);
     seed: initial parameters, identical to model.init_params(np.random.default_rng(seed));
     bucket_mb: gradient bucket size (stages 2, 3; 0 = one bucket, reduced after backward);
-    max_in_flight: gradient buckets in flight before the oldest is waited for.
+    max_in_flight: gradient buckets in flight before the oldest is waited for;
+    accumulation: micro-batches per step (this rank's rows split by chunk(), as the
+    data-parallel strategy splits them; stages 2, 3 reduce each micro-batch's buckets).
     Construction is collective over comm.
     """
     stage = 0
 
     def __init__(self, model, make_optimizer, *, comm=None, dtype=np.float32, seed: int = 0,
-                 bucket_mb: float = 4.0, max_in_flight: int = 2, xp=np):
+                 bucket_mb: float = 4.0, max_in_flight: int = 2, accumulation: int = 1,
+                 xp=np):
         self.comm = as_communicator(comm)
         error = None
         try:
@@ -84,9 +88,9 @@ class ZeroEngine(abc.ABC):
             if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or \
                     bucket_mb < 0:
                 raise ValueError(f"bucket_mb must be a number >= 0, got {bucket_mb!r}")
-            if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or \
-                    max_in_flight < 1:
-                raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+            for what, v in (("max_in_flight", max_in_flight), ("accumulation", accumulation)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{what} must be an integer >= 1, got {v!r}")
             self.layout = Layout(model.param_shapes())
             self.units = find_units(model, self.layout)
         except (TypeError, ValueError) as exc:
@@ -96,7 +100,7 @@ class ZeroEngine(abc.ABC):
         self.model, self.xp = model, xp
         self.bucket_elems = (self.layout.numel if bucket_mb == 0 else
                              max(1, int(bucket_mb * (1 << 20)) // self.dtype.itemsize))
-        self.max_in_flight = max_in_flight
+        self.max_in_flight, self.accumulation = max_in_flight, accumulation
         self.shards = ShardMap(self.comm, self.layout.numel)
         self.offset, self.count = self.shards.offset, self.shards.count
         self.inflight = InFlight()
@@ -113,11 +117,14 @@ class ZeroEngine(abc.ABC):
 
     @abc.abstractmethod
     def _begin_step(self) -> None:
-        """Before forward: zero what backward accumulates into (and _begin_forward)."""
+        """Before the first micro-batch: zero what backward accumulates into."""
 
-    @abc.abstractmethod
+    def _end_backward(self) -> None:
+        """After each micro-batch's backward (stages 2, 3: its buckets reduced into the shard)."""
+
     def _finish_grads(self) -> None:
-        """After backward: my shard of the summed gradients is in self.grad_shard()."""
+        """After the last micro-batch (stage 1: the reduce-scatter); then my shard of the
+        summed gradients is in self.grad_shard()."""
 
     @abc.abstractmethod
     def _publish_params(self) -> None:
@@ -144,17 +151,27 @@ class ZeroEngine(abc.ABC):
         return allreduce(np.ascontiguousarray(partials), op="sum", comm=self.comm)
 
     def forward_backward(self, x, y, global_count: int):
-        """Steps 1-2 only: forward, loss, backward; the summed gradient shard is ready."""
+        """Steps 1-2 only: forward, loss, backward of each micro-batch of my rows (gradients
+        summed over them); then the summed gradient shard is ready."""
         self._begin_step()
-        logits = self.model.forward(x, train=True)
-        self._end_forward()
-        loss_sum, correct = self.loss.forward(logits, y)
-        self.model.backward(self.loss.backward(1.0 / global_count))
+        loss_sum = correct = 0.0
+        for i in range(self.accumulation):
+            lo, n = chunk(len(y), i, self.accumulation)
+            self._begin_forward()
+            logits = self.model.forward(x[lo:lo + n], train=True)
+            self._end_forward()
+            l, c = self.loss.forward(logits, y[lo:lo + n])
+            self.model.backward(self.loss.backward(1.0 / global_count))
+            self._end_backward()
+            loss_sum, correct = loss_sum + l, correct + c
         self._finish_grads()
         return loss_sum, correct
 
     def train_step(self, x, y, global_count: int | None = None) -> dict:
-        """One step on this rank's rows; returns loss (global mean), correct, count, timings."""
+        """One step on this rank's rows; returns loss (global mean), correct, count, timings.
+
+        global_count: targets in the whole global batch (the loss is their mean); default:
+        summed over the ranks."""
         count = int(np.asarray(y).size)
         if global_count is None:
             global_count = self.comm.comm.allreduce(count)

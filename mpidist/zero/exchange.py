@@ -86,8 +86,9 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> P
     """Start summing buf (the global range [lo, lo+len(buf)) on every rank) onto its owners.
 
     wait() returns my piece (the range ∩ my shard) of the sum over ranks, in buf's dtype,
-    written into `out` when given. My own piece is not sent: it is read from buf when the
-    pieces are summed. Collective over comm: every rank passes the same [lo, hi).
+    or, with `out`, adds it into out (rounding once) and returns out. My own piece is not
+    sent: it is read from buf when the pieces are summed. Collective over comm: every rank
+    passes the same [lo, hi).
     """
     hi = lo + int(buf.shape[0])
     xp = get_array_module(buf)
@@ -118,7 +119,7 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> P
                 acc += piece
         if out is None:
             return acc.astype(buf.dtype, copy=False)
-        out[...] = acc
+        out[...] += acc
         return out
 
     return Pending(request, finish, (send_mpi, recv_mpi))

@@ -38,7 +38,8 @@ class _Bucket:
 
 
 class GradBuckets:
-    """Gradients of stages 2 and 3: bucket buffers in flight, reduce-scattered into a shard.
+    """Gradients of stages 2 and 3: bucket buffers in flight, reduce-scattered and added into
+    a shard (so micro-batches accumulate there).
 
     Buckets are runs of consecutive layers, planned from the end of the layout (backward
     produces gradients from the last layer to the first) so each holds >= bucket_elems
@@ -70,7 +71,7 @@ class GradBuckets:
         self.buckets.append(_Bucket(0, units[0].lo, units[-1].hi, units))
 
     def begin(self) -> None:
-        """Before backward: a zero shard, every bucket empty (also after a failed step)."""
+        """Before a step: a zero shard, every bucket empty (also after a failed step)."""
         while self.queue:
             self._retire()
         for b in self.buckets:
@@ -119,12 +120,15 @@ class GradBuckets:
         b.buf, b.pending = None, None
 
     def finish(self) -> None:
-        """After backward: launch buckets whose layers did not all run, wait for all."""
+        """After a backward: launch buckets whose layers did not all run, wait for all, and
+        make every bucket ready for the next micro-batch's backward."""
         for b in self.buckets:
             if b.buf is not None and not b.launched:
                 self._launch(b)
         while self.queue:
             self._retire()
+        for b in self.buckets:
+            b.remaining, b.launched = len(b.units), False
 
     @property
     def held(self) -> list:
@@ -154,7 +158,7 @@ class Stage2(ZeroEngine):
     def _begin_step(self) -> None:
         self.grads.begin()
 
-    def _finish_grads(self) -> None:
+    def _end_backward(self) -> None:
         self.grads.finish()
 
     def _publish_params(self) -> None:

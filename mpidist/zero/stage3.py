@@ -127,9 +127,8 @@ class Stage3(ZeroEngine):
 
     def _begin_step(self) -> None:
         self.grads.begin()
-        self._begin_forward()
 
-    def _finish_grads(self) -> None:
+    def _end_backward(self) -> None:
         self.grads.finish()
         self.gather.end_phase()
 

@@ -1,4 +1,5 @@
-"""`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, dtype, bucket_mb.
+"""`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, dtype, bucket_mb,
+accumulation.
 
 dtype = "bfloat16" or "float16" keeps parameters and gradients in two bytes with fp32
 master weights in the optimizer (mixed precision); inputs stay fp32, so NumPy multiplies
@@ -37,10 +38,9 @@ class ZeroStrategy(Strategy):
             stage = check_stage(p["stage"])
         except ValueError as exc:
             raise ConfigError(f"[parallel] {exc}") from None
-        for key, plain in (("compression", "none"), ("accumulation", 1)):
-            if p[key] != plain:
-                raise ConfigError(f"[parallel] {key} = {p[key]!r} is not supported with "
-                                  f"strategy = 'zero'; remove it or use strategy = 'dp'")
+        if p["compression"] != "none":
+            raise ConfigError(f"[parallel] compression = {p['compression']!r} is not supported "
+                              f"with strategy = 'zero'; remove it or use strategy = 'dp'")
 
         def make_optimizer(layout, offset, count, dtype):
             return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"],
@@ -48,7 +48,7 @@ class ZeroStrategy(Strategy):
 
         self.engine = build_zero(stage, build_model_from_config(config, meta), make_optimizer,
                                  comm=comm, dtype=p["dtype"], seed=config["job"]["seed"],
-                                 bucket_mb=p["bucket_mb"])
+                                 bucket_mb=p["bucket_mb"], accumulation=p["accumulation"])
         self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1
         reports = comm.comm.gather(self.engine.memory_report().format(), root=0)
         if comm.rank == 0:

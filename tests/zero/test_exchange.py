@@ -26,7 +26,7 @@ def test_reduce_scatter_v_sums_pieces_onto_owners(comm, dtype):
         np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
 
 
-def test_reduce_scatter_v_writes_into_out(comm):
+def test_reduce_scatter_v_adds_into_out(comm):
     shards = ShardMap(comm, N)
     out = np.ones(shards.count, np.float32)
     buf = np.full(N, 2.0, np.float32)
@@ -34,7 +34,7 @@ def test_reduce_scatter_v_writes_into_out(comm):
     # in flight: the bucket and the owner's pieces from the other ranks (its own stays put)
     assert pend.nbytes == buf.nbytes + 4 * shards.count * (comm.size - 1)
     assert pend.wait() is out and pend.nbytes == 0
-    np.testing.assert_array_equal(out, 2.0 * comm.size)
+    np.testing.assert_array_equal(out, 1 + 2.0 * comm.size)       # added into out
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])

@@ -43,10 +43,12 @@ def run(strategy, comm):
     return np.array(losses), m, ev, gather_state(strategy.state_dict(), comm)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_strategy_follows_the_data_parallel_strategy(comm, stage):
-    ref_losses, _, ref_eval, ref_state = run(build_strategy(config("dp"), comm, META), comm)
-    zero = build_strategy(config("zero", stage=stage, bucket_mb=1e-4), comm, META)
+@pytest.mark.parametrize("stage,accumulation", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 3), (3, 2)])
+def test_zero_strategy_follows_the_data_parallel_strategy(comm, stage, accumulation):
+    ref_losses, _, ref_eval, ref_state = run(
+        build_strategy(config("dp", accumulation=accumulation), comm, META), comm)
+    zero = build_strategy(config("zero", stage=stage, bucket_mb=1e-4, accumulation=accumulation),
+                          comm, META)
     losses, m, ev, state = run(zero, comm)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     assert ev["count"] == ref_eval["count"] == BATCH and ev["correct"] == ref_eval["correct"]
