@@ -1,11 +1,14 @@
 """The part of a ZeRO step every stage shares; the stages differ in what a rank keeps whole.
 
     ZeroEngine.train_step(x, y):
-      1. forward and backward            (stage 3: each layer's parameters gathered around it)
-      2. gradients onto their owners     (stage 1: one reduce-scatter after backward;
-                                          stages 2, 3: bucket by bucket during backward)
-      3. optimizer on my shard           (fp32 master and states of [offset, offset+count) only;
-                                          LARS/LAMB norms summed over the shards first)
+      1. forward and backward            (of each micro-batch with accumulation; stage 3:
+                                          each layer's parameters gathered around it)
+      2. gradients onto their owners     (stage 1: one reduce-scatter after the last backward;
+                                          stages 2, 3: bucket by bucket during each backward,
+                                          added into the gradient shard)
+      3. optimizer on my shard           (fp32 master and states of [offset, offset+count)
+                                          only; LARS/LAMB norms summed over the shards first;
+                                          NaN/Inf on any rank skips the step on all)
       4. parameters back to every rank   (stages 1, 2: allgather; stage 3: nothing, gathered
                                           on demand in the next forward)
 
