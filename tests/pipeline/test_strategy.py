@@ -145,13 +145,13 @@ def test_train_transformer_lm_as_two_stages_by_two_replicas(tmp_path):
     job = os.path.abspath(os.path.join(ROOT, "jobs", "lm_pipeline.toml"))
     proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", job,
                             "--set", f"job.out_dir='{out}'", "--set", "job.progress=false",
-                            "--set", "job.steps=30", "--set", "job.eval_every=15",
+                            "--set", "job.steps=20", "--set", "job.eval_every=10",
                             "--set", f"data.cache_dir='{tmp_path}'"],
                         timeout=280, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 stages x 2 replicas" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ranks"] == 4 and summary["strategy"] == "pipeline" and summary["steps"] == 30
+    assert summary["ranks"] == 4 and summary["strategy"] == "pipeline" and summary["steps"] == 20
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["event"] == "step"]
     assert np.mean([r["loss"] for r in steps[-5:]]) < np.mean([r["loss"] for r in steps[:5]]) - 1.0
