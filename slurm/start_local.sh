@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Start a real single-node SLURM on this host: Debian's munge, slurmctld and slurmd, with a
 # slurm.conf generated from this machine's hostname, CPU count and memory.
-# Idempotent: a second run only checks that `sinfo` answers and the node is idle.
+# Idempotent: every step checks first (packages, munge, slurm.conf, daemons), so a second run
+# takes a second; a changed slurm.conf restarts the daemons.
 # The first run installs the Debian packages (a few minutes). Works as root without systemd
 # (containers, CI): the daemons are started directly and keep running after the script exits.
 # Stop them with slurm/stop_local.sh.
 #
 #   bash slurm/start_local.sh            # install (once), configure, start, wait until ready
-#   MPIDIST_SLURM_RECONFIGURE=1 bash slurm/start_local.sh   # rewrite slurm.conf and restart
+#   MPIDIST_SLURM_RESTART=1 bash slurm/start_local.sh    # restart the daemons as well
 set -euo pipefail
 log() { echo "[slurm] $*" >&2; }
 die() { echo "[slurm] ERROR: $*" >&2; exit 1; }
@@ -19,10 +20,6 @@ host=$(hostname -s)
 ready() {
   sinfo -h -N -o '%N %t' 2>/dev/null | grep -Eq "^$host (idle|mix|alloc)"
 }
-if [ "${MPIDIST_SLURM_RECONFIGURE:-0}" != 1 ] && command -v sinfo >/dev/null && ready; then
-  log "already running: $(sinfo -h -N -o '%N %t %c CPUs %m MB')"
-  exit 0
-fi
 
 # 1. Debian packages (apt may be held by another installer for a while: wait for the lock)
 debs=(munge slurmctld slurmd slurm-client)
@@ -80,6 +77,7 @@ AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=5,bf_interval=5
 ReturnToService=2
 JobRequeue=1
 KillWait=10
@@ -96,10 +94,15 @@ SlurmdLogFile=/var/log/slurm/slurmd.log
 SlurmctldPort=6817
 SlurmdPort=6818
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus Sockets=$sockets CoresPerSocket=$cores ThreadsPerCore=$threads RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+# preemption: a job in "urgent" requeues jobs of "debug" it needs the CPUs of; they get
+# SIGTERM and GraceTime seconds to checkpoint first (slurm/requeue.sbatch)
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=$host MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=10
 CONF
 restart=0
-if ! cmp -s "$new" "$conf"; then
+if ! cmp -s "$new" "$conf" || [ "${MPIDIST_SLURM_RESTART:-0}" = 1 ]; then
   log "writing $conf ($cpus CPUs, $mem_mb MB)"
   install -m 0644 "$new" "$conf"
   restart=1
@@ -108,10 +111,12 @@ rm -f "$new"
 
 # 4. the daemons (restarted when the configuration changed)
 stop_pidfile() {
-  local f=$1
-  if [ -s "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null; then
-    kill "$(cat "$f")"
-    for _ in $(seq 1 50); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.2; done
+  local f=$1 pid
+  [ -s "$f" ] || return 0
+  pid=$(cat "$f")
+  if kill -0 "$pid" 2>/dev/null; then
+    kill "$pid"
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
   fi
   rm -f "$f"
 }
@@ -138,4 +143,4 @@ for i in $(seq 1 120); do
   sleep 0.5
 done
 ready || die "node $host is not idle after 60 s: $(sinfo -N 2>&1 | tail -n +2); see /var/log/slurm/"
-log "ready: $(sinfo -h -N -o '%N %t %c CPUs %m MB')"
+log "ready: $(sinfo -h -N -o '%N %t %c CPUs %m MB' | head -n 1), partitions $(sinfo -h -o %P | paste -sd' ')"

@@ -118,21 +118,29 @@ def test_multi_node_script_launches_with_srun_pmix(scheduler, tmp_path):
     assert out["world_size"] == 2 and len(out["losses"]) == 6
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path):
-    """SIGUSR1 to the batch script (what --signal=B:USR1@T sends before the time limit):
-    the ranks checkpoint and exit 75, the script requeues, the job resumes and ends on the
-    same trajectory as a run never interrupted."""
+@pytest.mark.parametrize("how", ["preemption", "notice"])
+def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path, how):
+    """preemption: a job in the higher-priority partition "urgent" needs the node, SLURM
+    sends SIGTERM to the running job's step; notice: SIGUSR1 to the batch script (what
+    --signal=B:USR1@T sends before the time limit). Either way the ranks checkpoint and exit
+    75, the script requeues, the job resumes and ends on the trajectory of a run never
+    interrupted."""
     ck, log = tmp_path / "ck", tmp_path / "requeue.out"
     steps = "30"
-    jid = sh("sbatch", "--parsable", "-n", "2", "-O", "-o", str(log), "slurm/requeue.sbatch",
-             sys.executable, TOY, "--dir", str(ck), "--steps", steps, "--every", "5",
-             "--sleep", "0.2", "--out", str(tmp_path / "out.json")).stdout.strip()
+    jid = sh("sbatch", "--parsable", "-n", "2", "--exclusive", "-o", str(log),
+             "slurm/requeue.sbatch", sys.executable, TOY, "--dir", str(ck), "--steps", steps,
+             "--every", "5", "--sleep", "0.2", "--out", str(tmp_path / "out.json")).stdout.strip()
+    urgent = None
     try:
         t0 = time.time()
         while not (ck / "ckpt-00000005.h5").exists():
             assert time.time() - t0 < 120, f"no checkpoint yet:\n{log.read_text() if log.exists() else ''}"
             time.sleep(0.2)
-        sh("scancel", "--batch", "--signal=USR1", jid)
+        if how == "preemption":
+            urgent = sh("sbatch", "--parsable", "-p", "urgent", "-n", "1", "-o",
+                        str(tmp_path / "urgent.out"), "--wrap", "echo urgent ran").stdout.strip()
+        else:
+            sh("scancel", "--batch", "--signal=USR1", jid)
         info = wait_job(jid, ("PENDING",), 90, "the requeue")
         assert info["Restarts"] == "1"
         # SLURM holds a requeued job ~2 minutes (BeginTime); release it (after the second in
@@ -143,13 +151,16 @@ def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path):
         text = log.read_text()
         assert info["JobState"] == "COMPLETED", text
     finally:
-        subprocess.run(["scancel", jid], capture_output=True)
+        subprocess.run(["scancel", jid] + ([urgent] if urgent else []), capture_output=True)
+    if urgent:
+        assert wait_job(urgent, FINAL, 60, "the urgent job")["JobState"] == "COMPLETED"
     notes = "".join(p.read_text() for p in sorted(ck.glob("preempted.*")))
-    preempted = re.findall(r"rank (\d+): preempted by signal \S+, checkpoint at step (\d+)", notes)
-    assert sorted(r for r, _ in preempted) == ["0", "1"], text
+    preempted = re.findall(r"rank (\d+): preempted by signal (\S+), checkpoint at step (\d+)", notes)
+    assert sorted(r for r, _, _ in preempted) == ["0", "1"], text
+    assert {sig for _, sig, _ in preempted} == {"15" if how == "preemption" else "10"}
     assert "requeueing job" in text and "restart 1" in text, text
     out = json.loads((tmp_path / "out.json").read_text())
-    stop = int(preempted[0][1])
+    stop = int(preempted[0][2])
     assert out["restart"] == "1" and out["resumed_from"]["step"] == stop
     ref = tmp_path / "ref"
     argv = [sys.executable, TOY, "--dir", str(ref), "--steps", steps, "--out", str(ref / "out.json")]
