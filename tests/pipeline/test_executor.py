@@ -24,12 +24,12 @@ def _data(size, model="mlp"):
     return rng.integers(0, 11, (b, 5)), rng.integers(0, 11, (b, 5))
 
 
-def _single_rank(make, x, y, steps=STEPS):
+def _single_rank(make, x, y, steps=STEPS, batches=None):
     """Reference: the whole model, the whole batch, plain SGD in float64."""
     model = make()
     layout, params, grads = materialize(model, dtype=np.float64, seed=3)
     loss = SoftmaxCrossEntropy()
-    for _ in range(steps):
+    for x, y in batches or [(x, y)] * steps:
         grads.data[...] = 0
         loss.forward(model.forward(x), y)
         model.backward(loss.backward(1.0 / y.size))
@@ -38,7 +38,7 @@ def _single_rank(make, x, y, steps=STEPS):
 
 
 def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS, keep_grads=False,
-              progress_thread=None):
+              progress_thread=None, batches=None):
     model = make()
     layers = pipeline_layers(model)
     bounds = by_params([l for _, l in layers], comm.size * virtual)
@@ -47,7 +47,7 @@ def _pipeline(comm, make, x, y, name, virtual=1, recompute=False, steps=STEPS, k
     ex = PipelineExecutor(build_schedule(name, comm.size, M, virtual), stages, comm,
                           recompute=recompute, progress_thread=progress_thread)
     stats = None
-    for _ in range(steps):
+    for x, y in batches or [(x, y)] * steps:
         grads.data[...] = 0
         stats = ex.run(x, y)
         params.data -= LR * grads.data
@@ -151,6 +151,15 @@ def test_buffers_are_reused_across_steps(comm):
     assert len(ex._pool.owned) == allocated
     # the shapes crossed each boundary once and are cached
     assert set(ex._meta_in) == {s for s in ex.stages if s > 0}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_new_micro_batch_shape_exchanges_shapes_again(comm):
+    x, y = _data(comm.size)
+    batches = [(x, y), (np.concatenate([x, 2 * x]), np.concatenate([y, y[::-1]])), (x, y)]
+    ref = _single_rank(_mlp, None, None, batches=batches)
+    mine, _, _ = _pipeline(comm, _mlp, None, None, "1f1b", batches=batches)
+    assert _max_rel(mine, ref) < 1e-6
 
 
 @pytest.mark.mpi(min_size=2)
