@@ -161,6 +161,7 @@ class PipelineStrategy(Strategy):
         totals = np.array([stats.loss_sum, stats.correct, len(x) * self.tokens], dtype=np.float64)
         dp_comm.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
         self.step += 1
+        # t_comm: the gradient exchange plus the pipeline's waiting (bubbles and transfers)
         return {"loss": float(totals[0] / max(totals[2], 1)), "correct": int(totals[1]),
                 "count": int(totals[2]), "t_compute": stats.busy,
                 "t_comm": t_comm + (t_pipe - stats.busy), "t_optim": t_optim,
