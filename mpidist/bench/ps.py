@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                        "alpha_beta": {"rma": [a_rma, b_rma], "p2p": [a_p2p, b_p2p]},
                        "throughput": through, "scaling": rows, "stragglers": strag},
                       f, indent=1)
-        _plot(rows, base + ".png", header, args.servers)
+        _plot(rows, base + ".png", f"{library.split(',')[0]}: {P} ranks, {args.mb:g} MiB model",
+              args.servers)
         print(f"wrote {base}.csv, .json, .png")
     return 0
 
@@ -297,9 +298,10 @@ def _plot(rows, path: str, title: str, S: int) -> None:
         if pts:
             ax.plot(*zip(*[(x, y * 1e3) for x, y in pts]), "o-", color=color, label=label)
             ax.plot(p, [r["pred_" + key] * 1e3 for r in rows], "--", color=color, alpha=0.6)
+    ax.set_xticks(p)
     ax.set_xlabel("workers p")
     ax.set_ylabel("communication per step (ms)")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(title, fontsize=9)
     ax.legend(title="measured (solid), alpha-beta (dashed)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
