@@ -70,11 +70,8 @@ class H5Dataset(_Closing):
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size == 0:
             return (np.empty((0, *self.x.shape[1:]), self.x.dtype), np.empty(0, self.y.dtype))
-        order = np.argsort(indices, kind="stable")
-        sorted_idx = indices[order]
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order))
-        return self.x[sorted_idx][inverse], self.y[sorted_idx][inverse]
+        rows, inverse = np.unique(indices, return_inverse=True)    # HDF5 selections increase
+        return self.x[rows][inverse], self.y[rows][inverse]
 
     def close(self):
         self.file.close()

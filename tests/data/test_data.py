@@ -108,9 +108,11 @@ def test_synthetic_is_deterministic_and_sized(comm, shared_dir):
         xa, ya = a.read(idx)
         xb, yb = b.read(idx)
         reversed_x = a.read(idx[::-1])[0]
+        repeated_x = a.read(np.array([3, 3, 0]))[0]
         n = a.n
     assert np.array_equal(xa, xb) and np.array_equal(ya, yb) and xa.shape == (4, 5)
     assert np.array_equal(reversed_x, xa[::-1])       # asked order is kept
+    assert np.array_equal(repeated_x, xa[[3, 3, 1]])
     assert n == 32
 
 
