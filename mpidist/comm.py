@@ -143,12 +143,15 @@ class Communicator:
 
         Members keep the node they are on, so hierarchical algorithms work inside it.
         """
-        cache_key = (int(color), self.rank if key is None else int(key))
-        sub = self._subcomms.get(cache_key)
+        mine = (int(color), self.rank if key is None else int(key))
+        # the cache key is the whole grouping, agreed by all ranks, so every rank hits or
+        # misses together (a per-rank key would let some ranks skip the collective Split)
+        grouping = tuple(self.comm.allgather(mine))
+        sub = self._subcomms.get(grouping)
         if sub is None:
-            mpi = self.comm.Split(color=cache_key[0], key=cache_key[1])
+            mpi = self.comm.Split(color=mine[0], key=mine[1])
             sub = Communicator(mpi, _node=self.node, _dup=False)
-            self._subcomms[cache_key] = sub
+            self._subcomms[grouping] = sub
         return sub
 
     def grid(self, pp: int) -> Grid:

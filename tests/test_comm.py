@@ -125,3 +125,11 @@ def test_device_staging_is_identity_for_numpy(comm, monkeypatch):
     monkeypatch.setenv("MPIDIST_CUDA_AWARE", "maybe")
     with pytest.raises(ValueError, match="0 or 1"):
         cuda_aware_mpi()
+
+
+def test_split_with_a_new_grouping_never_reuses_another_grouping(comm):
+    """Rank 0 keeps colour 0 in both splits while the grouping changes: no stale cache hit."""
+    first = comm.split(color=0 if comm.rank == 0 else 1)
+    second = comm.split(color=0 if comm.rank < 2 else 1)
+    assert first.size == (1 if comm.rank == 0 else comm.size - 1)
+    assert second.size == (min(2, comm.size) if comm.rank < 2 else comm.size - 2)

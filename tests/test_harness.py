@@ -62,3 +62,17 @@ def test_header_names_mpi_library_and_ranks(tmp_path):
     from mpidist.comm import mpi_library
     assert f"mpi: {mpi_library()}" in proc.stdout
     assert "mpi ranks: 2" in proc.stdout
+
+
+@pytest.mark.launcher
+def test_launcher_works_from_inside_an_mpi_job(tmp_path):
+    """A job started by mpiexec may start another (nested) mpiexec through the launcher."""
+    inner = "import sys; from mpi4py import MPI; sys.stdout.write(f'inner {MPI.COMM_WORLD.Get_size()}\\n')"
+    outer = (f"import subprocess, sys\nfrom mpi4py import MPI\nfrom mpidist import launcher\n"
+             f"r = launcher.run(2, [sys.executable, '-c', {inner!r}], timeout=120, "
+             f"capture_output=True, text=True)\nprint(r.stdout, r.returncode)\n")
+    script = tmp_path / "outer.py"
+    script.write_text(outer)
+    proc = launcher.run(1, [sys.executable, str(script)], timeout=180, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("inner 2") == 2 and proc.stdout.strip().endswith("0")
