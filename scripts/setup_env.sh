@@ -43,13 +43,11 @@ if ! "$venv/bin/python" -c 'import h5py, sys; sys.exit(0 if h5py.get_config().mp
   exit 1
 fi
 
-# 4. mpidist itself, editable, re-pointed only when the checkout moved
-if ! (cd / && "$venv/bin/python" - "$here") <<'PY' 2>/dev/null
-import sys, pathlib, mpidist
-sys.exit(0 if pathlib.Path(mpidist.__file__).resolve().parent.parent == pathlib.Path(sys.argv[1]).resolve() else 1)
-PY
-then
+# 4. mpidist itself, editable, re-pointed only when the checkout moved (a stamp, not an import,
+#    decides: concurrent runs never see a half-installed package)
+if [ "$(cat "$venv/.mpidist-src" 2>/dev/null)" != "$here" ]; then
   log "installing mpidist (editable) from $here"
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
+  echo "$here" > "$venv/.mpidist-src"
 fi
 echo "$venv"
