@@ -15,6 +15,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 import time
 
 from mpidist.data import DistributedSampler, build_datasets, iterate
@@ -123,7 +124,10 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
     bar = None
     if is_root and job["progress"]:
         from tqdm import tqdm
-        bar = tqdm(total=total, initial=strategy.step, desc=job["name"], unit="step", dynamic_ncols=True)
+        # on a terminal a live bar; in a batch log (SLURM, CI) a line every 10 s, not thousands
+        interactive = sys.stderr.isatty()
+        bar = tqdm(total=total, initial=strategy.step, desc=job["name"], unit="step",
+                   dynamic_ncols=interactive, mininterval=0.1 if interactive else 10.0)
 
     sampler = DistributedSampler(train.n, config["data"]["batch_size"], rank=strategy.data_rank,
                                  size=strategy.data_size, seed=job["seed"], shuffle=config["data"]["shuffle"],
@@ -151,7 +155,7 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
             writer.write(rec)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{m['loss']:.4f}", samples_s=f"{count / t_step:.0f}")
+                bar.set_postfix(loss=f"{m['loss']:.4f}", samples_s=f"{count / t_step:.0f}", refresh=False)
             last = strategy.step >= total
             if hook is not None:
                 hook.after_step(strategy, last)
