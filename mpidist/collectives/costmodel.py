@@ -44,7 +44,7 @@ from mpidist.collectives.ring import segment_bytes
 
 __all__ = ["CostModel", "coefficients", "measure", "get_model", "PROBE_SIZES", "cache_path"]
 
-PROBE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)   # the last beyond the caches
+PROBE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)    # a second or so on an idle machine
 FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "shm", "native")
 
 
@@ -97,7 +97,7 @@ def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) 
 
 def _reps(nbytes: int) -> int:
     """Probe repetitions: more where a run is cheap and noisy."""
-    return 9 if nbytes <= (64 << 10) else 5 if nbytes <= (1 << 20) else 2
+    return 7 if nbytes <= (64 << 10) else 3 if nbytes <= (1 << 20) else 2
 
 
 def _time_gamma(comm) -> float:
