@@ -42,17 +42,17 @@ class IncompatibleCheckpointError(ValueError):
     """A checkpoint does not fit the model (tensors missing or of another shape)."""
 
 
-def agree(comm, exc: BaseException | None) -> None:
+def agree(comm, exc: BaseException | None, remote: type | None = None) -> None:
     """Collective: if any rank failed, raise on every rank: the failing ranks their own
-    exception, the others a CheckpointError carrying the failing ranks' messages (so code
-    that catches CheckpointError behaves the same everywhere)."""
+    exception, the others a `remote` (default CheckpointError) carrying the failing ranks'
+    messages, so code that catches that class takes the same branch everywhere."""
     msg = None if exc is None else f"{type(exc).__name__}: {exc}"
     bad = [(r, m) for r, m in enumerate(comm.comm.allgather(msg)) if m is not None]
     if not bad:
         return
     if exc is not None:
         raise exc
-    raise CheckpointError("; ".join(f"rank {r}: {m}" for r, m in bad))
+    raise (remote or CheckpointError)("; ".join(f"rank {r}: {m}" for r, m in bad))
 
 
 def storage_dtype(dtype: np.dtype) -> np.dtype:

@@ -103,8 +103,9 @@ class CheckpointReader:
         try:
             self._file = h5py.File(self.path, "r", driver="mpio", comm=c.comm)
         except Exception as exc:  # noqa: BLE001
-            err = exc
-        fmt.agree(c, err)
+            err = fmt.CorruptCheckpointError(f"{self.path} does not open with MPI-IO: "
+                                             f"{type(exc).__name__}: {exc}")
+        fmt.agree(c, err, fmt.CorruptCheckpointError)
         if verify:
             try:
                 self.verify()
@@ -174,7 +175,8 @@ class CheckpointReader:
         except Exception as exc:  # noqa: BLE001
             err = exc
         fmt.agree(c, err if err is None else fmt.CorruptCheckpointError(
-            f"{self.path}: reading tensor data failed: {type(err).__name__}: {err}"))
+            f"{self.path}: reading tensor data failed: {type(err).__name__}: {err}"),
+            fmt.CorruptCheckpointError)
         pieces: dict = {k: [] for k in keys}
         for rows in c.comm.allgather(mine):
             for key, offset, count, value in rows:
