@@ -42,7 +42,8 @@ from mpidist.collectives.ops import get_op
 from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.ring import segment_bytes
 
-__all__ = ["CostModel", "coefficients", "measure", "get_model", "PROBE_SIZES", "cache_path"]
+__all__ = ["CostModel", "coefficients", "measure", "measure_all", "get_model", "probe",
+           "PROBE_SIZES", "cache_path"]
 
 PROBE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)    # a second or so on an idle machine
 FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "shm", "native")
@@ -76,23 +77,31 @@ def coefficients(algorithm: str, p: int) -> tuple[float, float, float]:
     raise ValueError(f"no cost formula for algorithm {algorithm!r}")
 
 
-def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) -> float:
-    """Best over reps of the slowest rank's time for one allreduce of nbytes (seconds).
-
-    The best, not the mean: other load on a shared machine only ever adds time, and the
-    fit must not chase it (on a quiet machine best and median agree)."""
-    fn = ALGORITHMS[algorithm]
+def measure_all(comm, algorithms, nbytes: int, reps: int = 3,
+                dtype=np.float32) -> dict[str, float]:
+    """Best over reps of the slowest rank's time (seconds) for one allreduce of nbytes,
+    per algorithm. The algorithms take turns within each repetition, so a burst of other
+    load hits them alike; the best, not the mean, because other load on a shared machine
+    only ever adds time (on a quiet machine best and median agree)."""
     x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
     op = get_op("sum")
-    fn(comm, x, x, op)                                   # warm-up: scratch, connections
-    times = np.empty(reps)
+    fns = [ALGORITHMS[a] for a in algorithms]
+    for fn in fns:
+        fn(comm, x, x, op)                               # warm-up: scratch, windows
+    times = np.empty((reps, len(fns)))
     for i in range(reps):
-        comm.comm.Barrier()
-        t0 = time.perf_counter()
-        fn(comm, x, x, op)
-        times[i] = time.perf_counter() - t0
+        for j, fn in enumerate(fns):
+            comm.comm.Barrier()
+            t0 = time.perf_counter()
+            fn(comm, x, x, op)
+            times[i, j] = time.perf_counter() - t0
     comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return float(times.min())
+    return {a: float(t) for a, t in zip(algorithms, times.min(axis=0))}
+
+
+def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) -> float:
+    """measure_all for one algorithm."""
+    return measure_all(comm, [algorithm], nbytes, reps, dtype)[algorithm]
 
 
 def _reps(nbytes: int) -> int:
@@ -179,9 +188,10 @@ class CostModel:
 
 def _probe_level(comm, algorithms, sizes, reps: int | None) -> dict:
     gamma = _time_gamma(comm)
+    by_size = {s: measure_all(comm, algorithms, s, reps or _reps(s)) for s in sizes}
     fits, samples = {}, {}
     for alg in algorithms:
-        times = [measure(comm, alg, s, reps or _reps(s)) for s in sizes]
+        times = [by_size[s][alg] for s in sizes]
         samples[alg] = [[s, t] for s, t in zip(sizes, times)]
         fits[alg] = list(_fit(alg, comm.size, gamma, sizes, times))
     return {"p": comm.size, "gamma": gamma, "fits": fits, "samples": samples}

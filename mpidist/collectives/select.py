@@ -28,11 +28,11 @@ def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dic
     rows = []
     for nbytes in sizes:
         pick = model.choose(nbytes)
-        for alg in model.candidates() if c.size > 1 else ["native"]:
-            rows.append({"nbytes": int(nbytes), "algorithm": alg,
-                         "predicted": model.predict(alg, nbytes),
-                         "measured": costmodel.measure(c, alg, nbytes, reps),
-                         "chosen": alg == pick})
+        names = model.candidates() if c.size > 1 else ["native"]
+        measured = costmodel.measure_all(c, names, nbytes, reps)
+        rows.extend({"nbytes": int(nbytes), "algorithm": alg,
+                     "predicted": model.predict(alg, nbytes), "measured": measured[alg],
+                     "chosen": alg == pick} for alg in names)
     return rows
 
 
