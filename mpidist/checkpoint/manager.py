@@ -25,11 +25,12 @@ class CheckpointManager:
     """Collective over comm: save(step, tensors, ...), open_latest(), steps().
 
     directory: where checkpoints live (created by rank 0); keep: how many to keep (>= 1);
-    prefix: file name prefix; collective: collective MPI-IO writes.
+    prefix: file name prefix; collective: collective MPI-IO writes; fsync: make each file
+    durable before it is renamed into place.
     """
 
     def __init__(self, directory: str, *, keep: int = 3, prefix: str = "ckpt", comm=None,
-                 collective: bool = True):
+                 collective: bool = True, fsync: bool = True):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -41,6 +42,7 @@ class CheckpointManager:
         self.keep = keep
         self.prefix = prefix
         self.collective = collective
+        self.fsync = fsync
         self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.h5")
         self.skipped: list[tuple[str, str]] = []    # (path, reason) of files found damaged
 
@@ -56,7 +58,7 @@ class CheckpointManager:
         """Collective: write checkpoint `step` atomically, then delete all but the newest K."""
         path = write_checkpoint(self.path(step), tensors, step=step, epoch=epoch, scalars=scalars,
                                 meta=meta, rank_meta=rank_meta, comm=self.comm,
-                                collective=self.collective)
+                                collective=self.collective, fsync=self.fsync)
         if self.comm.rank == 0:
             damaged = {p for p, _ in self.skipped}
             good = [s for s in self._local_steps() if self.path(s) not in damaged]
