@@ -117,7 +117,11 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "consistency": _f(str, "bsp", "ps: bsp | ssp | asp", choices=("bsp", "ssp", "asp")),
         "servers": _f(int, 1, "ps: number of server ranks", **_pos),
         "staleness": _f(int, 0, "ps/ssp: bound on worker clock skew", **_nonneg),
-        "straggler": _f((int, float), 0.0, "ps: seconds of delay injected per step on the last worker", **_nonneg),
+        "straggler": _f((int, float), 0.0, "ps: seconds of delay injected per step on the slow worker "
+                        "(straggler_mode says which)", **_nonneg),
+        "straggler_mode": _f(str, "fixed", "ps: the slow worker: fixed = the last worker at every step; "
+                             "random = one worker per step, drawn from the job seed and the step",
+                             choices=("fixed", "random")),
         "rho": _f((int, float), 1.0, "admm: penalty parameter", **_pos),
     },
     "checkpoint": {
@@ -133,7 +137,7 @@ STRATEGY_KEYS = {
     "zero": ("stage", "dtype"),
     "pipeline": ("stages", "microbatches", "schedule", "recompute", "virtual", "partition", "cuts",
                  "zero"),
-    "ps": ("consistency", "servers", "staleness", "straggler"),
+    "ps": ("consistency", "servers", "staleness", "straggler", "straggler_mode"),
     "admm": ("rho",),
 }
 MODEL_KEYS = {"mlp": ("hidden", "activation", "dropout"), "cnn": ("channels",),

@@ -1,5 +1,5 @@
 """`strategy = "ps"`: training through the parameter server (consistency, servers,
-staleness, straggler in the job's [parallel] section).
+staleness, straggler, straggler_mode in the job's [parallel] section).
 
 Server ranks (placed by the topology) hold the optimizer of their shard and read no data
 (data_rank None); the W workers read rows chunk(B, w, W) of every global batch. A worker's
@@ -39,7 +39,7 @@ log = logging.getLogger("mpidist")
 
 
 class ParameterServerStrategy(Strategy):
-    """[parallel] strategy = "ps": consistency, servers, staleness, straggler."""
+    """[parallel] strategy = "ps": consistency, servers, staleness, straggler, straggler_mode."""
     name = "ps"
 
     def __init__(self, config: dict, comm, meta: dict, *, timeout: float = 300.0):
@@ -57,7 +57,10 @@ class ParameterServerStrategy(Strategy):
                                                            seed=config["job"]["seed"])
         self.total_steps = config["job"]["total_steps"]
         workers = comm.size - p["servers"]
-        straggler = Straggler(worker=workers - 1, delay=p["straggler"]) if p["straggler"] > 0 else None
+        straggler = None
+        if p["straggler"] > 0:         # fixed: the last worker; random: one per step, by seed
+            straggler = Straggler(worker=workers - 1 if p["straggler_mode"] == "fixed" else None,
+                                  delay=p["straggler"], seed=config["job"]["seed"])
         self.ps = ParameterServer(
             self.params.data, comm=comm, servers=p["servers"], consistency=model,
             optimizer=lambda off, cnt: build_optimizer_from_config(config, self.layout, off, cnt),

@@ -1,5 +1,5 @@
 """The job strategies: 'ps' (BSP equals data parallel through the whole engine; the digits
-jobs reach their target, ASP beats BSP with a straggler) and 'admm' (consensus z)."""
+jobs reach their target, ASP and SSP beat BSP with a random straggler) and 'admm' (consensus z)."""
 import json
 import os
 import sys
@@ -10,6 +10,7 @@ import pytest
 from mpidist import launcher
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
+from mpidist.errors import ConfigError
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
@@ -58,7 +59,6 @@ def test_admm_strategy_reaches_consensus(comm, shared_tmp):
 
 @pytest.mark.mpi(min_size=2)
 def test_ps_strategy_rejects_checkpoints(comm, shared_tmp):
-    from mpidist.errors import ConfigError
     from mpidist.ps.strategy import ParameterServerStrategy
     meta = {"kind": "classification", "in_shape": (64,), "classes": 10}
     cfg = _config(comm, shared_tmp, "bad", {"strategy": "ps"})
@@ -72,22 +72,41 @@ def test_ps_strategy_rejects_checkpoints(comm, shared_tmp):
         ParameterServerStrategy(cfg, comm, meta)
 
 
+def test_ps_straggler_mode_is_validated():
+    def parallel(**keys):
+        raw = {"job": {"steps": 1}, "parallel": {"strategy": "ps", "straggler": 0.01, **keys}}
+        return validate(raw, world_size=4)["parallel"]
+    assert parallel()["straggler_mode"] == "fixed"
+    assert parallel(straggler_mode="random")["straggler_mode"] == "random"
+    with pytest.raises(ConfigError, match="straggler_mode = 'sometimes'"):
+        parallel(straggler_mode="sometimes")
+    with pytest.raises(ConfigError, match="straggler_mode applies to strategy = 'ps'"):
+        parallel(strategy="dp", straggler_mode="random", straggler=0.0)
+
+
 @pytest.mark.launcher
 @pytest.mark.timeout(400)
-def test_digits_jobs_reach_target_and_asp_beats_bsp_with_a_straggler(tmp_path):
-    """jobs/digits_ps_{bsp,asp,ssp}.toml on 4 ranks (1 server, 3 workers, a 10 ms straggler)."""
+def test_digits_jobs_reach_target_and_asp_ssp_beat_bsp_with_a_straggler(tmp_path):
+    """jobs/digits_ps_{bsp,asp,ssp}.toml on 4 ranks (1 server, 3 workers), 10 epochs, with
+    the jobs' random straggler made 20 ms so that it dominates BSP's step time: BSP sleeps
+    at every one of its steps (290: >= 5.8 s), while under ASP and SSP(2) each worker sleeps
+    at about a third of its steps and the others run on, so both should finish in about
+    half of BSP's time; asserted with a margin for a loaded machine (at most 80%)."""
     # without the variables of an MPI job we may run in (`mpiexec -n 1 pytest`)
     outside = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    seconds = {}
+    seconds, steps = {}, {}
     for model in ("bsp", "asp", "ssp"):
         out = tmp_path / model
         job = os.path.abspath(os.path.join(ROOT, "jobs", f"digits_ps_{model}.toml"))
         proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", job, "--set", "job.epochs=10",
+                                "--set", "parallel.straggler=0.02",
                                 "--set", f"job.out_dir='{out}'", "--set", "job.progress=false",
                                 "--set", "job.plot=false", "--set", f"data.cache_dir='{tmp_path}'"],
                             timeout=120, capture_output=True, text=True, cwd=tmp_path, env=outside)
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         assert summary["test_accuracy"] >= 0.93, (model, summary)
-        seconds[model] = summary["train_seconds"]
-    assert seconds["asp"] < seconds["bsp"], seconds
+        seconds[model], steps[model] = summary["train_seconds"], summary["steps"]
+    assert seconds["bsp"] >= steps["bsp"] * 0.02, (steps, seconds)   # a sleep at every BSP step
+    assert seconds["asp"] < 0.8 * seconds["bsp"], seconds
+    assert seconds["ssp"] < 0.8 * seconds["bsp"], seconds
