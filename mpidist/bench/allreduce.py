@@ -6,7 +6,8 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
     MPIDIST_RANKS_PER_NODE=2 python -m mpidist.launcher -n 4 -- mpidist bench allreduce
 
 For each size (bytes of float32) and algorithm: time of one allreduce (median over the
-repetitions of the slowest rank's time, after a warm-up), algbw = size / time and
+repetitions of the slowest rank's time, after a warm-up; the algorithms take turns in
+each repetition, so other load on the machine hits them alike), algbw = size / time and
 busbw = algbw * 2 (p-1) / p, the bandwidth each link actually carries, comparable across
 rank counts. "auto" is the cost model's choice (shown in brackets), from a model probed
 afresh at the start (--no-refit keeps the cached one); "model us" is its prediction for
@@ -60,7 +61,7 @@ def _parse(argv):
     p.add_argument("--reps", type=int, default=20,
                    help="timed repetitions per point at most (fewer for large sizes)")
     p.add_argument("--seconds", type=float, default=1.0,
-                   help="time budget per point, which caps the repetitions")
+                   help="time budget per point (size x algorithm), which caps the repetitions")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="simulate nodes of this many ranks (default: real topology)")
     p.add_argument("--no-refit", dest="refit", action="store_false",
@@ -81,11 +82,15 @@ def _parse(argv):
     return args
 
 
-def _time_point(comm, alg: str, x: np.ndarray, reps: int, seconds: float):
-    """(median seconds, repetitions, result ok) for one size and algorithm."""
+def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float):
+    """{algorithm: (median seconds, result ok)} and the repetitions, for one size.
+
+    After one checked warm-up call each, the algorithms take turns, repetition by
+    repetition, so a burst of other load on the machine hits them alike. Repetitions are
+    capped so the size takes about `seconds` per algorithm."""
     from mpidist.collectives import allreduce
 
-    def once():
+    def once(alg):
         x[...] = 1.0
         comm.comm.Barrier()
         t0 = time.perf_counter()
@@ -95,12 +100,17 @@ def _time_point(comm, alg: str, x: np.ndarray, reps: int, seconds: float):
             allreduce(x, algorithm=alg, comm=comm)
         return time.perf_counter() - t0
 
-    first = comm.comm.allreduce(once(), op=MPI.MAX)          # warm-up, and the rep count
-    ok = comm.all(bool(x[0] == comm.size and x[-1] == comm.size))
-    n = max(1, min(reps, int(seconds / max(first, 1e-9))))
-    times = np.array([once() for _ in range(n)])
+    first, ok = [], []
+    for alg in algorithms:
+        first.append(once(alg))
+        ok.append(bool(x[0] == comm.size and x[-1] == comm.size))
+    first = comm.comm.allreduce(sum(first), op=MPI.MAX)
+    ok = np.array(ok, np.int32)
+    comm.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)          # checked on every rank
+    n = max(1, min(reps, int(seconds * len(algorithms) / max(first, 1e-9))))
+    times = np.array([[once(alg) for alg in algorithms] for _ in range(n)])
     comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return float(np.median(times)), n, ok
+    return {a: (float(np.median(times[:, j])), bool(ok[j])) for j, a in enumerate(algorithms)}, n
 
 
 def _plot(rows, path: str, title: str) -> None:
@@ -149,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     for nbytes in args.sizes:
         x = np.ones(nbytes // 4, np.float32)
         native_bw = None
+        timed, n = _time_size(c, args.algorithms, x, args.reps, args.seconds)
+        if "native" in timed:
+            t = timed["native"][0]
+            native_bw = x.nbytes / t / 1e9 * (2 * (p - 1) / p if p > 1 else 1)
         for alg in args.algorithms:
-            t, n, ok = _time_point(c, alg, x, args.reps, args.seconds)
+            t, ok = timed[alg]
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
-            if alg == "native":
-                native_bw = busbw
             pick = model.choose(x.nbytes) if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
             pred = model.predict(pick, x.nbytes) if pick in model.candidates() else None
