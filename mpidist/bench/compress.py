@@ -7,7 +7,7 @@
         --tta jobs/digits_lamb.toml                 # also train the job once per compressor
 
 Phases:
-  1. kernels: rank 0 alone (the others wait in a barrier) times each compressor's encode
+  1. kernels: rank 0 alone (the others sleep) times each compressor's encode
      on one core, as GB/s of float32 input, next to NumPy baselines (astype(float16),
      argpartition for top-k); the payload ratio is payload bytes / dense float32 bytes.
   2. allreduce: all ranks run the compressed allreduce on their own gradient; bytes are
@@ -281,9 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     comm = Communicator()
     layout = bench_layout(args.numel)
     x = np.random.default_rng(comm.rank).standard_normal(layout.numel).astype(np.float32)
-    # 1. kernels, rank 0 alone on its core
+    # 1. kernels, rank 0 alone on its core: the others sleep (a blocking barrier would
+    #    spin and take cores from it)
     kernels = _kernels(layout, x, args.reps) if comm.rank == 0 else None
-    comm.comm.Barrier()
+    done = comm.comm.Ibarrier()
+    while not done.Test():
+        time.sleep(0.01)
     kernels = comm.comm.bcast(kernels, root=0)
     # 2. the compressed allreduce on every rank
     allreduce = _allreduce(comm, layout, x, args.steps)
