@@ -72,22 +72,25 @@ class _Pool:
 
 
 class _ProgressThread:
-    """Enters MPI every `interval` seconds while this rank computes.
+    """Enters MPI every `interval` seconds while this rank computes with transfers pending.
 
     MPI moves a message larger than its eager limit only inside MPI calls of both ends
     (measured here with Open MPI's shared-memory transport: a 128 KiB Isend followed by
     30 ms of compute reached its waiting receiver after those 30 ms; with this thread,
     after about 2 ms). An Iprobe for a tag nobody sends drives that progress without
-    touching the executor's requests. Needs MPI_THREAD_MULTIPLE.
+    touching the executor's requests. Between computes the thread sleeps, so it costs
+    nothing while the rank itself waits in MPI. Needs MPI_THREAD_MULTIPLE.
     """
 
-    def __init__(self, comm: MPI.Comm, tag: int, interval: float = 5e-5):
+    def __init__(self, comm: MPI.Comm, tag: int, interval: float = 1e-4):
         self._comm, self._tag, self._interval = comm, tag, interval
         self._stop = threading.Event()
+        self.computing = threading.Event()      # set by the executor around a compute
         self._thread: threading.Thread | None = None
 
     def __enter__(self):
         self._stop.clear()
+        self.computing.clear()
         self._thread = threading.Thread(target=self._loop, name="mpidist-pipeline-progress",
                                         daemon=True)
         self._thread.start()
@@ -95,10 +98,14 @@ class _ProgressThread:
 
     def __exit__(self, *exc):
         self._stop.set()
+        self.computing.set()                    # wake the loop so it sees the stop
         self._thread.join()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.computing.wait()
+            if self._stop.is_set():
+                return
             self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=self._tag)
             time.sleep(self._interval)
 
@@ -143,6 +150,7 @@ class PipelineExecutor:
         self._meta_in: dict[int, tuple] = {}    # stage -> (shape, dtype) of its input
         self._meta_out: dict[int, tuple] = {}   # stage -> (shape, dtype) of its output
         self._meta_sent: set[int] = set()
+        self._helper: _ProgressThread | None = None
 
     # ------------------------------------------------------------------ tags and peers
     def _act_tag(self, sender_stage: int) -> int:
@@ -161,7 +169,9 @@ class PipelineExecutor:
         mean over this batch); data parallelism passes 1 / (global count).
         """
         use_thread = self.progress_thread and self.schedule.pp > 1
-        with _ProgressThread(self.comm.comm, self._probe_tag) if use_thread else nullcontext():
+        helper = _ProgressThread(self.comm.comm, self._probe_tag) if use_thread else None
+        with helper if helper is not None else nullcontext():
+            self._helper = helper
             return self._run(x, y, scale, train)
 
     def _run(self, x, y, scale, train) -> StepStats:
@@ -213,9 +223,14 @@ class PipelineExecutor:
             if action.kind in (FORWARD, BACKWARD):
                 data = self._input(action)            # waiting for it is idle time
                 self._progress()
+                helping = self._helper is not None and bool(self._sends or self._recvs)
+                if helping:
+                    self._helper.computing.set()
                 t0 = MPI.Wtime()
                 handlers[action.kind](action, data)
                 t1 = MPI.Wtime()
+                if helping:
+                    self._helper.computing.clear()
                 stats.busy += t1 - t0
                 stats.events.append((action.kind, action.microbatch, action.stage,
                                      t0 - t_start, t1 - t_start))
@@ -295,7 +310,8 @@ class PipelineExecutor:
     def _progress(self) -> None:
         """Let MPI move the pending transfers on before this rank computes for a while:
         without a progress thread, a large message advances only inside MPI calls."""
-        MPI.Request.Testall([r for r, _ in self._sends])
+        MPI.Request.Testsome([r for r, _ in self._sends])
+        self._sends = [(r, d) for r, d in self._sends if r != MPI.REQUEST_NULL]
 
     def _release(self, buf) -> None:
         """Mark a received buffer free; it returns to the pool at a later take, once no
