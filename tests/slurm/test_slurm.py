@@ -126,10 +126,10 @@ def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path, how
     75, the script requeues, the job resumes and ends on the trajectory of a run never
     interrupted."""
     ck, log = tmp_path / "ck", tmp_path / "requeue.out"
-    steps = "30"
+    steps = "24"
     jid = sh("sbatch", "--parsable", "-n", "2", "--exclusive", "-o", str(log),
              "slurm/requeue.sbatch", sys.executable, TOY, "--dir", str(ck), "--steps", steps,
-             "--every", "5", "--sleep", "0.2", "--out", str(tmp_path / "out.json")).stdout.strip()
+             "--every", "5", "--sleep", "0.25", "--out", str(tmp_path / "out.json")).stdout.strip()
     urgent = None
     try:
         t0 = time.time()
