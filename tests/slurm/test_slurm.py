@@ -118,6 +118,16 @@ def test_multi_node_script_launches_with_srun_pmix(scheduler, tmp_path):
     assert out["world_size"] == 2 and len(out["losses"]) == 6
 
 
+def test_sigkill_of_one_rank_under_srun_ends_the_step(scheduler, tmp_path):
+    """No watchdog needed: PMIx reports the dead task and SLURM aborts the step."""
+    t0 = time.time()
+    proc = sh("srun", "--mpi=pmix", "-n", "3", "-O", sys.executable, TOY, "--dir", str(tmp_path),
+              "--steps", "10", "--every", "4", "--die-rank", "1", "--die-step", "6",
+              timeout=120, check=False)
+    assert proc.returncode != 0 and time.time() - t0 < 60, (proc.returncode, proc.stderr[-2000:])
+    assert (tmp_path / "ckpt-00000004.h5").exists()
+
+
 @pytest.mark.parametrize("how", ["preemption", "notice"])
 def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path, how):
     """preemption: a job in the higher-priority partition "urgent" needs the node, SLURM
