@@ -31,6 +31,7 @@ import scipy.linalg
 
 from mpidist.collectives import allreduce
 from mpidist.comm import as_communicator
+from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
                                      build_optimizer_from_config, read_flat, replicated_pieces)
 from mpidist.errors import ConfigError
@@ -202,6 +203,7 @@ class ADMMStrategy(Strategy):
 
     def __init__(self, config: dict, comm, meta: dict):
         super().__init__(config, comm, meta)
+        check_support(config)       # [parallel] compression / accumulation it cannot honour
         from mpidist.nn import SoftmaxCrossEntropy, materialize
 
         if meta.get("kind") == "lm":

@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from mpidist.errors import ConfigError
 
-__all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS"]
+__all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS",
+           "support_errors", "check_support"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,12 @@ SCHEMA: dict[str, dict[str, Field]] = {
                         choices=("auto", "ring", "tree", "dbtree", "hierarchical", "recursive_doubling",
                                  "rabenseifner", "native")),
         "bucket_mb": _f((int, float), 4.0, "gradient bucket size in MiB (0 = one bucket after backward)", **_nonneg),
-        "compression": _f(str, "none", "gradient compressor in mpidist.compress's registry, or none"),
+        "compression": _f(str, "none", "gradient compressor in mpidist.compress's registry, or none "
+                          "(dp, zero stage 1, pipeline)"),
+        "compression_options": _f(dict, {}, "options of the compressor, e.g. {ratio = 0.01} (topk), "
+                                  "{levels = 15} (qsgd), {rank = 2} (powersgd)"),
+        "compression_warmup": _f(int, 0, "first optimizer steps whose gradients go uncompressed "
+                                 "(float32)", **_nonneg),
         "accumulation": _f(int, 1, "micro-steps accumulated per optimizer step", **_pos),
         "stage": _f(int, 1, "zero: ZeRO stage", choices=(1, 2, 3)),
         "dtype": _f(str, "float32", "zero: parameter and gradient dtype (fp32 masters in the optimizer)",
@@ -227,8 +233,13 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
         if strategy == "ps" and cfg["parallel"]["servers"] >= world_size:
             errors.append(f"[parallel] servers = {cfg['parallel']['servers']} leaves no worker among {world_size} ranks")
     if cfg["parallel"]["compression"] != "none":
-        errors += _check_registry("mpidist.compress", "compressor", cfg["parallel"]["compression"],
-                                  "[parallel] compression")
+        found = _check_registry("mpidist.compress", "compressor", cfg["parallel"]["compression"],
+                                "[parallel] compression")
+        errors += found or _check_compressor(cfg["parallel"])
+    else:
+        errors += [f"[parallel] {key} needs compression = '<name>'"
+                   for key in ("compression_options", "compression_warmup") if key in given_keys["parallel"]]
+    errors += support_errors(cfg["parallel"])
     errors += _check_optimizer(cfg["optim"])
     if not errors:
         errors += _check_model(cfg)
@@ -260,6 +271,47 @@ def _check_registry(module: str, what: str, name: str, where: str) -> list[str]:
     if registry is not None and name not in registry:
         return [f"{where} = {name!r}: unknown {what}; choose one of {', '.join(sorted(registry))}"]
     return []
+
+
+def _check_compressor(p: dict) -> list[str]:
+    """Build the compressor once with its options: a bad option fails here, not mid-run."""
+    from mpidist.compress import make_compressor
+    if not isinstance(p["compression_options"], dict):
+        return []
+    try:
+        make_compressor(p["compression"], **p["compression_options"])
+    except (TypeError, ValueError) as exc:
+        return [f"[parallel] compression_options: {exc}"]
+    return []
+
+
+def support_errors(parallel: dict) -> list[str]:
+    """The data-parallel keys (compression, accumulation) set to something the strategy
+    cannot honour, as error messages (none when it honours what it is given)."""
+    strategy, errors = parallel["strategy"], []
+    if parallel["compression"] != "none":
+        if strategy in ("ps", "admm"):
+            errors.append(f"[parallel] compression = {parallel['compression']!r}: strategy = "
+                          f"{strategy!r} exchanges no gradients by allreduce; remove it "
+                          f"(compression works with dp, zero stage 1 and pipeline)")
+        elif strategy == "zero" and parallel["stage"] != 1:
+            errors.append(f"[parallel] compression = {parallel['compression']!r} works with "
+                          f"zero stage = 1 only (stages 2 and 3 reduce-scatter gradient "
+                          f"buckets during backward); use stage = 1 or remove compression")
+    if parallel["accumulation"] != 1 and strategy in ("pipeline", "ps", "admm"):
+        hint = ("; the pipeline's micro-batches already split each step: raise microbatches"
+                if strategy == "pipeline" else "; remove it")
+        errors.append(f"[parallel] accumulation = {parallel['accumulation']} is not supported "
+                      f"with strategy = {strategy!r}{hint}")
+    return errors
+
+
+def check_support(config: dict) -> None:
+    """ConfigError when the strategy cannot honour [parallel] compression or accumulation
+    (for strategies built from a config that skipped validate)."""
+    errors = support_errors(config["parallel"])
+    if errors:
+        raise ConfigError("\n".join(errors))
 
 
 def _check_optimizer(o: dict) -> list[str]:

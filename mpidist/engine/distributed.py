@@ -59,12 +59,14 @@ class DistributedOptimizer:
     op: "avg" divides the summed gradients by size * accumulation (Horovod semantics: each rank
       passes the mean over its own batch); "sum" leaves them summed (the caller normalised).
     compression: None, or a compressor name from mpidist.compress.
+    compression_options: the compressor's options (make_compressor(compression, **options)).
+    compression_warmup: the first optimizer steps go uncompressed (float32 ring allreduce).
     broadcast: start from rank 0's parameters and optimizer state (collective, at construction).
     """
 
     def __init__(self, optimizer, params: FlatBuffer, grads: FlatBuffer, *, comm=None, algorithm: str = "auto",
                  bucket_mb: float = 4.0, accumulation: int = 1, op: str = "avg", compression: str | None = None,
-                 broadcast: bool = True):
+                 broadcast: bool = True, compression_options: dict | None = None, compression_warmup: int = 0):
         if not isinstance(params, FlatBuffer) or not isinstance(grads, FlatBuffer):
             raise TypeError("params and grads must be mpidist.flat.FlatBuffer (see mpidist.nn.materialize), "
                             "or use DistributedOptimizer.for_arrays for plain arrays")
@@ -84,11 +86,13 @@ class DistributedOptimizer:
             raise TypeError(f"optimizer must be an mpidist optimizer (with step), got {type(optimizer).__name__}")
         self.algorithm, self.op = algorithm, op
         self.accumulation = int(accumulation)
+        options = dict(compression_options or {})
         self.comm.check_same((self.layout.numel, str(params.dtype), algorithm, op, self.accumulation,
-                              float(bucket_mb), compression), "DistributedOptimizer settings (numel, dtype, "
-                             "algorithm, op, accumulation, bucket_mb, compression)")
+                              float(bucket_mb), compression, sorted(options.items()), compression_warmup),
+                             "DistributedOptimizer settings (numel, dtype, algorithm, op, accumulation, "
+                             "bucket_mb, compression, compression_options, compression_warmup)")
         self.compressed = None          # the CompressedAllreduce, when compression is on
-        self.allreduce_async = self._make_allreduce(compression)
+        self.allreduce_async = self._make_allreduce(compression, options, compression_warmup)
         self.buckets = make_buckets(self.layout, params.dtype.itemsize, bucket_mb)
         bucket_of = np.empty(len(self.layout), dtype=np.int64)
         for b, (lo, hi) in enumerate(self.buckets):
@@ -104,16 +108,19 @@ class DistributedOptimizer:
         if broadcast:
             self.broadcast_state(root=0)
 
-    def _make_allreduce(self, compression):
+    def _make_allreduce(self, compression, options, warmup):
         from mpidist.collectives import allreduce_async
 
         if compression in (None, "none"):
+            if options or warmup:
+                raise ValueError("compression_options and compression_warmup need a compression name")
             return lambda buf: allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
         from mpidist.compress import CompressedAllreduce, build_compressor
 
         # nonfinite="skip": a NaN/Inf bucket comes back NaN (residuals untouched), so step 2's
         # agreement skips the update; the layout lets PowerSGD see each bucket's matrices
-        self.compressed = CompressedAllreduce(build_compressor(compression), self.comm, nonfinite="skip")
+        self.compressed = CompressedAllreduce(build_compressor(compression, **options), self.comm,
+                                              warmup_steps=warmup, nonfinite="skip")
         return lambda buf: self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
 
     # ------------------------------------------------------------------ plain arrays

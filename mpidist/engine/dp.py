@@ -16,7 +16,8 @@ __all__ = ["DataParallel"]
 
 
 class DataParallel(Strategy):
-    """[parallel] strategy = "dp": algorithm, bucket_mb, compression, accumulation.
+    """[parallel] strategy = "dp": algorithm, bucket_mb, compression (compression_options,
+    compression_warmup), accumulation.
 
     The loss is summed over samples and scaled by 1 / (global batch), and gradients are summed
     across ranks: the result is the gradient of the global mean loss whatever the split, so
@@ -39,7 +40,9 @@ class DataParallel(Strategy):
         self.dopt = DistributedOptimizer(self.optimizer, self.params, self.grads, comm=comm,
                                          algorithm=p["algorithm"], bucket_mb=p["bucket_mb"],
                                          accumulation=p["accumulation"], op="sum",
-                                         compression=None if p["compression"] == "none" else p["compression"])
+                                         compression=None if p["compression"] == "none" else p["compression"],
+                                         compression_options=p.get("compression_options"),
+                                         compression_warmup=p.get("compression_warmup", 0))
         self.dopt.attach(self.model)
         self.loss = SoftmaxCrossEntropy()
         self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1

@@ -44,7 +44,7 @@ from mpidist.partition import chunk
 __all__ = ["Strategy", "StateDict", "TensorPiece", "InMemoryState", "STRATEGIES", "register_strategy",
            "build_strategy", "strategy_factory", "flat_pieces", "replicated_pieces", "read_flat",
            "gather_state", "build_model_from_config", "build_optimizer_from_config", "lr_schedule",
-           "METRIC_KEYS"]
+           "build_compression", "METRIC_KEYS"]
 
 # Keys every train_step result has (values identical on all ranks except the t_* timings).
 METRIC_KEYS = ("loss", "correct", "count", "t_compute", "t_comm", "t_optim")
@@ -210,6 +210,21 @@ def build_optimizer_from_config(config: dict, layout, offset: int = 0, count: in
 
     o = config["optim"]
     return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"], offset=offset, count=count)
+
+
+def build_compression(config: dict, comm):
+    """[parallel] compression, compression_options, compression_warmup -> the
+    CompressedAllreduce averaging gradients over comm (collective use), or None when
+    compression = "none". nonfinite="skip": an inf/NaN gradient comes back NaN on every rank
+    (residuals untouched), so the optimizer step that follows skips everywhere."""
+    p = config["parallel"]
+    if p["compression"] == "none":
+        return None
+    from mpidist.compress import CompressedAllreduce, make_compressor
+
+    compressor = make_compressor(p["compression"], **p.get("compression_options", {}))
+    return CompressedAllreduce(compressor, comm, warmup_steps=p.get("compression_warmup", 0),
+                               nonfinite="skip")
 
 
 # ---------------------------------------------------------------------------- the interface

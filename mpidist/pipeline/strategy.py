@@ -28,6 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce, reduce_scatter
+from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
                                      build_optimizer_from_config, flat_pieces, read_flat,
                                      replicated_pieces)
@@ -53,6 +54,7 @@ class PipelineStrategy(Strategy):
         """dtype: of parameters, gradients and activations. make_optimizer(layout, offset,
         count): the optimizer of the stage's range (default: the config's [optim])."""
         super().__init__(config, comm, meta)
+        check_support(config)       # [parallel] compression / accumulation it cannot honour
         p = config["parallel"]
         pp, m, virtual = p["stages"], p["microbatches"], p.get("virtual", 1)
         if comm.size % pp:

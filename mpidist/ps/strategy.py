@@ -26,6 +26,7 @@ import os
 import time
 
 import numpy as np
+from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
                                      build_optimizer_from_config, replicated_pieces)
 from mpidist.errors import ConfigError
@@ -44,6 +45,7 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, config: dict, comm, meta: dict, *, timeout: float = 300.0):
         super().__init__(config, comm, meta)
+        check_support(config)       # [parallel] compression / accumulation it cannot honour
         p, ck = config["parallel"], config["checkpoint"]
         if ck["interval"] > 0 or ck["resume"]:
             raise ConfigError("[checkpoint] interval/resume: the parameter server's asynchronous "

@@ -1,11 +1,12 @@
 """Config validation: every problem reported at once, the same message on every rank."""
 import glob
 import os
+import re
 import tempfile
 
 import pytest
 
-from mpidist.engine.config import SCHEMA, format_schema, load_config, validate
+from mpidist.engine.config import SCHEMA, check_support, format_schema, load_config, validate
 from mpidist.engine.train import _parse_override
 from mpidist.errors import ConfigError
 
@@ -48,6 +49,40 @@ def test_cross_section_and_constructor_checks():
     assert any("[optim]" in e for e in _errors({"optim": {"name": "adagrad"}}))
     assert any("servers" in e for e in _errors({"parallel": {"strategy": "ps", "servers": 4}}, world_size=4))
     assert any("no such file" in e for e in _errors({"data": {"dataset": "hdf5", "path": "/nonexistent.h5"}}))
+
+
+def test_compression_options_are_checked_by_building_the_compressor():
+    cfg = validate({"parallel": {"compression": "topk", "compression_options": {"ratio": 0.05},
+                                 "compression_warmup": 3}})
+    assert cfg["parallel"]["compression_options"] == {"ratio": 0.05}
+    assert cfg["parallel"]["compression_warmup"] == 3
+    assert validate({})["parallel"]["compression_options"] == {}
+    text = "\n".join(_errors({"parallel": {"compression": "topk", "compression_options": {"ratio": 2}}}))
+    assert "[parallel] compression_options: ratio must be in (0, 1]" in text
+    text = "\n".join(_errors({"parallel": {"compression": "powersgd", "compression_options": {"levels": 4}}}))
+    assert "compressor 'powersgd' takes options rank" in text
+    lines = _errors({"parallel": {"compression_options": {"ratio": 0.1}, "compression_warmup": -1}})
+    assert any("compression_warmup = -1: must be >= 0" in e for e in lines)
+    assert any("compression_options needs compression = '<name>'" in e for e in lines)
+
+
+@pytest.mark.parametrize("parallel,message", [
+    ({"strategy": "ps", "compression": "fp16"}, "strategy = 'ps' exchanges no gradients by allreduce"),
+    ({"strategy": "admm", "compression": "topk"}, "strategy = 'admm' exchanges no gradients by allreduce"),
+    ({"strategy": "zero", "stage": 2, "compression": "topk"}, "works with zero stage = 1 only"),
+    ({"strategy": "ps", "accumulation": 2}, "accumulation = 2 is not supported with strategy = 'ps'"),
+    ({"strategy": "admm", "accumulation": 3}, "accumulation = 3 is not supported with strategy = 'admm'"),
+    ({"strategy": "pipeline", "accumulation": 2}, "raise microbatches"),
+])
+def test_strategies_reject_what_they_cannot_honour(parallel, message):
+    assert any(message in e for e in _errors({"parallel": parallel})), _errors({"parallel": parallel})
+    cfg = validate({"parallel": {"strategy": parallel["strategy"]}})
+    cfg["parallel"].update(parallel)                  # a config that skipped validate
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_support(cfg)
+    for ok in ("dp", "zero", "pipeline"):
+        validate({"parallel": {"strategy": ok, "compression": "fp16"}})
+    validate({"parallel": {"strategy": "zero", "accumulation": 2}})
 
 
 @pytest.mark.parametrize("path", JOBS, ids=[os.path.basename(p) for p in JOBS])

@@ -186,6 +186,22 @@ def test_compressed_data_parallel_trains_and_ranks_agree(comm, compression):
     comm.check_same(strategy.params.data.tobytes(), "parameters after compressed training")
 
 
+def test_compression_options_and_warmup_reach_the_compressed_allreduce(comm):
+    """Warm-up covering every step is the uncompressed run; after it, top-k (ratio from
+    compression_options) changes the steps."""
+    plain, _ = _train(comm, _config("sgd", {"momentum": 0.9}, bucket_mb=0.0001), steps=6)
+    warm, strategy = _train(comm, _config("sgd", {"momentum": 0.9}, bucket_mb=0.0001, compression="topk",
+                                          compression_options={"ratio": 0.2}, compression_warmup=6), steps=6)
+    ca = strategy.dopt.compressed
+    assert ca.warmup_steps == 6 and ca.compressor.config()["ratio"] == 0.2
+    np.testing.assert_allclose(warm, plain, rtol=1e-5, atol=1e-6)
+    part, strategy = _train(comm, _config("sgd", {"momentum": 0.9}, bucket_mb=0.0001, compression="topk",
+                                          compression_options={"ratio": 0.2}, compression_warmup=2), steps=6)
+    np.testing.assert_allclose(part[:3], plain[:3], rtol=1e-5, atol=1e-6)  # step 3 uses step 2's update
+    assert np.abs(part[3:] - plain[3:]).max() > 1e-4
+    comm.check_same(strategy.params.data.tobytes(), "parameters after compressed training")
+
+
 @pytest.mark.gpu
 def test_dp_on_gpu_matches_cpu(comm):
     cfg = _config("adamw", lr=0.01)
