@@ -7,7 +7,7 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
 
 For each size (bytes of float32) and algorithm: time of one allreduce (median over the
 repetitions of the slowest rank's time, after a warm-up; the algorithms take turns in
-each repetition, so other load on the machine hits them alike), algbw = size / time and
+each repetition, in a rotating order, so other load on the machine hits them alike), algbw = size / time and
 busbw = algbw * 2 (p-1) / p, the bandwidth each link actually carries, comparable across
 rank counts. "auto" is the cost model's choice (shown in brackets), from a model probed
 afresh at the start (--no-refit keeps the cached one); "model us" is its prediction for
@@ -108,7 +108,11 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float):
     ok = np.array(ok, np.int32)
     comm.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)          # checked on every rank
     n = max(1, min(reps, int(seconds * len(algorithms) / max(first, 1e-9))))
-    times = np.array([[once(alg) for alg in algorithms] for _ in range(n)])
+    m = len(algorithms)
+    times = np.empty((n, m))
+    for i in range(n):                  # the order rotates, so none always follows another
+        for j in [(i + k) % m for k in range(m)]:
+            times[i, j] = once(algorithms[j])
     comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
     return {a: (float(np.median(times[:, j])), bool(ok[j])) for j, a in enumerate(algorithms)}, n
 

@@ -228,12 +228,18 @@ def cache_path(comm) -> str:
 _models: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _by_path: dict[str, CostModel] = {}
 _lock = threading.Lock()
+_last: tuple = (None, None)        # the communicator asked last, and its model
 
 
 def get_model(comm, refit: bool = False) -> CostModel:
     """Collective on first use per communicator: the cached model, loaded or probed."""
+    global _last
+    last = _last
+    if not refit and last[0] is comm:
+        return last[1]
     model = None if refit else _models.get(comm)
     if model is not None:
+        _last = (comm, model)
         return model
     path = cache_path(comm)
     data = None
@@ -248,6 +254,7 @@ def get_model(comm, refit: bool = False) -> CostModel:
     with _lock:
         _models[comm] = model
         _by_path[path] = model
+    _last = (comm, model)
     return model
 
 

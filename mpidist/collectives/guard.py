@@ -24,6 +24,7 @@ MODES = ("first", "always", "off")
 _state = {"mode": None}
 _seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_last: tuple = (None, None)
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -69,11 +70,15 @@ def check(comm, signature: tuple | None, error: BaseException | None = None) -> 
     """Collective (when checking): raise on every rank if any rank has an argument error or
     a different signature (kind, (name, value), ...). A rank with an error always takes
     part in the exchange."""
+    global _last
     mode = _state["mode"] or get_mode()
-    seen = _seen.get(comm)
-    if seen is None:
+    last = _last                       # (comm, its seen set): a loop calls on one comm
+    if last[0] is comm:
+        seen = last[1]
+    else:
         with _lock:
             seen = _seen.setdefault(comm, set())
+        _last = (comm, seen)
     if error is None and (mode == "off" or (mode == "first" and signature in seen)):
         return
     if mode == "off":
