@@ -5,7 +5,9 @@ pp ranks of a replica run the schedule on that replica's rows of the global batc
 replicas of a stage hold the same layers, so after the pipeline step
 
     1. gradients of each stage are summed across its replicas (mpidist allreduce on the
-       stage's dp group; the loss is scaled by 1 / global count, as data parallelism does)
+       stage's dp group; the loss is scaled by 1 / global count, as data parallelism does;
+       with [parallel] compression, the CompressedAllreduce of mpidist.compress on that
+       group, given the stage's layout so PowerSGD sees its matrices)
     2. the optimizer updates the stage's parameters
        (zero = 1: ZeRO stage 1 in the dp group: 1'. reduce-scatter of the gradients,
         2'. the optimizer on my shard only, 3'. allgather of the updated shards)
@@ -13,7 +15,8 @@ replicas of a stage hold the same layers, so after the pipeline step
 so one step equals a single-rank step on the same model and global batch.
 
 Config ([parallel]): stages, microbatches, schedule (gpipe | 1f1b | interleaved), virtual
-(chunks per rank for interleaved), recompute, partition (params | cost | cuts), cuts, zero.
+(chunks per rank for interleaved), recompute, partition (params | cost | cuts), cuts, zero;
+compression, compression_options, compression_warmup (accumulation: use microbatches).
 Bad input fails on every rank before training: stages not dividing the world size, more
 (virtual) stages than layers, micro-batches not dividing each replica's rows.
 """
@@ -29,7 +32,7 @@ from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce, reduce_scatter
 from mpidist.engine.config import check_support
-from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
+from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
                                      build_optimizer_from_config, flat_pieces, read_flat,
                                      replicated_pieces)
 from mpidist.errors import ConfigError
@@ -103,6 +106,7 @@ class PipelineStrategy(Strategy):
         self.executor = PipelineExecutor(self.schedule, self.stages, self.grid.pp_comm,
                                          loss=self.loss, recompute=p["recompute"])
         self.algorithm = p["algorithm"]
+        self.compressed = build_compression(config, self.grid.dp_comm)   # None: uncompressed
         self.last_stats = None
         if comm.rank == 0:
             names = [prefix.rstrip(".") or type(l).__name__.strip("_").lower()
@@ -129,6 +133,11 @@ class PipelineStrategy(Strategy):
     def _reduce_norms(self, partial):
         return allreduce(partial, op="sum", comm=self.grid.dp_comm)
 
+    def _compressed_sum(self):
+        """The compressed sum of the stage's gradients over its replicas (an inf/NaN on any
+        replica gives NaN everywhere, which the optimizer skips)."""
+        return self.compressed.allreduce_async(self.grads.data, op="sum", layout=self.layout).wait()
+
     def train_step(self, x, y, global_count: int | None = None) -> dict:
         dp_comm = self.grid.dp_comm
         if global_count is None:
@@ -141,8 +150,12 @@ class PipelineStrategy(Strategy):
         self.last_stats = stats
         t1 = time.perf_counter()
         if self.zero:
-            # 1'. reduce-scatter: my shard of the replicas' summed gradients
-            shard = reduce_scatter(self.grads.data, op="sum", comm=dp_comm)
+            # 1'. reduce-scatter: my shard of the replicas' summed gradients (compressed:
+            #     the compressed sum of the whole stage, of which I keep my shard)
+            if self.compressed is not None:
+                shard = self._compressed_sum()[self.offset:self.offset + self.count]
+            else:
+                shard = reduce_scatter(self.grads.data, op="sum", comm=dp_comm)
             t2 = time.perf_counter()
             # 2'. the optimizer on my shard of the stage's parameters
             mine = self.params.data[self.offset:self.offset + self.count]
@@ -154,7 +167,9 @@ class PipelineStrategy(Strategy):
             t_optim = t3 - t2
         else:
             # 1. gradients summed across the stage's replicas
-            if dp_comm.size > 1:
+            if self.compressed is not None:
+                self.grads.data[...] = self._compressed_sum()
+            elif dp_comm.size > 1:
                 allreduce(self.grads.data, op="sum", algorithm=self.algorithm, comm=dp_comm)
             t2 = time.perf_counter()
             # 2. the optimizer on the stage's parameters
