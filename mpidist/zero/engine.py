@@ -73,14 +73,18 @@ class ZeroEngine(abc.ABC):
     bucket_mb: gradient bucket size (stages 2, 3; 0 = one bucket, reduced after backward);
     max_in_flight: gradient buckets in flight before the oldest is waited for;
     accumulation: micro-batches per step (this rank's rows split by chunk(), as the
-    data-parallel strategy splits them; stages 2, 3 reduce each micro-batch's buckets).
+    data-parallel strategy splits them; stages 2, 3 reduce each micro-batch's buckets);
+    compression: stage 1 only, a mpidist.compress.CompressedAllreduce over comm: the
+    gradients are summed by it (compressed, error feedback in it) instead of the
+    reduce-scatter, and each rank keeps its shard of the sum (stages 2 and 3 reduce-scatter
+    buckets during backward, which a compressor does not fit).
     Construction is collective over comm.
     """
     stage = 0
 
     def __init__(self, model, make_optimizer, *, comm=None, dtype=np.float32, seed: int = 0,
                  bucket_mb: float = 4.0, max_in_flight: int = 2, accumulation: int = 1,
-                 xp=np):
+                 xp=np, compression=None):
         self.comm = as_communicator(comm)
         error = None
         try:
@@ -94,6 +98,12 @@ class ZeroEngine(abc.ABC):
             for what, v in (("max_in_flight", max_in_flight), ("accumulation", accumulation)):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"{what} must be an integer >= 1, got {v!r}")
+            if compression is not None and self.stage != 1:
+                raise ValueError(f"compression works with ZeRO stage 1 only (stage {self.stage} "
+                                 f"reduce-scatters gradient buckets during backward)")
+            if compression is not None and not hasattr(compression, "allreduce_async"):
+                raise TypeError(f"compression must be a mpidist.compress.CompressedAllreduce, got "
+                                f"{type(compression).__name__}")
             self.layout = Layout(model.param_shapes())
             self.units = find_units(model, self.layout)
         except (TypeError, ValueError) as exc:
@@ -104,6 +114,7 @@ class ZeroEngine(abc.ABC):
         self.bucket_elems = (self.layout.numel if bucket_mb == 0 else
                              max(1, int(bucket_mb * (1 << 20)) // self.dtype.itemsize))
         self.max_in_flight, self.accumulation = max_in_flight, accumulation
+        self.compression = compression
         self.shards = ShardMap(self.comm, self.layout.numel)
         self.offset, self.count = self.shards.offset, self.shards.count
         self.inflight = InFlight()

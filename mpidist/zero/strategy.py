@@ -1,5 +1,6 @@
 """`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, dtype, bucket_mb,
-accumulation.
+accumulation; with stage = 1 also compression (compression_options, compression_warmup):
+the gradients are summed by the compressed allreduce, as the dp strategy with bucket_mb = 0.
 
 dtype = "bfloat16" or "float16" keeps parameters and gradients in two bytes with fp32
 master weights in the optimizer (mixed precision); inputs stay fp32, so NumPy multiplies
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import logging
 
-from mpidist.engine.strategy import StateDict, Strategy, build_model_from_config, lr_schedule
+from mpidist.engine.config import check_support
+from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
+                                     lr_schedule)
 from mpidist.errors import ConfigError
 from mpidist.optim import build_optimizer
 from mpidist.zero import build_zero, check_stage
@@ -38,9 +41,7 @@ class ZeroStrategy(Strategy):
             stage = check_stage(p["stage"])
         except ValueError as exc:
             raise ConfigError(f"[parallel] {exc}") from None
-        if p["compression"] != "none":
-            raise ConfigError(f"[parallel] compression = {p['compression']!r} is not supported "
-                              f"with strategy = 'zero'; remove it or use strategy = 'dp'")
+        check_support(config)       # compression: stage 1 only
 
         def make_optimizer(layout, offset, count, dtype):
             return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"],
@@ -48,7 +49,8 @@ class ZeroStrategy(Strategy):
 
         self.engine = build_zero(stage, build_model_from_config(config, meta), make_optimizer,
                                  comm=comm, dtype=p["dtype"], seed=config["job"]["seed"],
-                                 bucket_mb=p["bucket_mb"], accumulation=p["accumulation"])
+                                 bucket_mb=p["bucket_mb"], accumulation=p["accumulation"],
+                                 compression=build_compression(config, comm))
         self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1
         reports = comm.comm.gather(self.engine.memory_report().format(), root=0)
         if comm.rank == 0:

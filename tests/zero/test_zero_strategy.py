@@ -64,6 +64,27 @@ def test_zero_strategy_follows_the_data_parallel_strategy(comm, stage, accumulat
     assert rep["optim"] == 2 * 4 * shard                         # LAMB: two fp32 moments
 
 
+@pytest.mark.parametrize("compression,options,warmup", [
+    ("topk", {"ratio": 0.3}, 0), ("qsgd", {"levels": 3}, 1), ("powersgd", {"rank": 1}, 0)])
+def test_zero_1_with_compression_follows_data_parallel_with_the_same_compression(
+        comm, compression, options, warmup):
+    """The same compressed sum as dp's one-bucket exchange (bucket_mb = 0), then the sharded
+    step: the same run to 1e-6."""
+    kw = dict(compression=compression, compression_options=options, compression_warmup=warmup)
+    dp = build_strategy(config("dp", bucket_mb=0, **kw), comm, META)
+    ref_losses, _, _, ref_state = run(dp, comm)
+    zero = build_strategy(config("zero", stage=1, **kw), comm, META)
+    losses, m, _, state = run(zero, comm)
+    ca = zero.engine.compression
+    assert ca.step == 4 and ca.warmup_steps == warmup and ca.total_bytes_sent == dp.dopt.compressed.total_bytes_sent
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for key, want in ref_state.tensors.items():
+        assert np.linalg.norm(state.tensors[key] - want) <= 1e-6 * max(1e-30, np.linalg.norm(want)), key
+    plain = build_strategy(config("zero", stage=1), comm, META)
+    assert not np.allclose(run(plain, comm)[3].tensors["params/fc1.weight"], state.tensors["params/fc1.weight"],
+                           rtol=1e-4, atol=0)     # compression did change the steps
+
+
 def test_mixed_precision_from_the_config(comm):
     """dtype = "bfloat16": 2-byte params and grads, fp32 masters; stages agree to the bit."""
     results = []
