@@ -94,11 +94,10 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     except (TypeError, ValueError) as exc:
         error = exc
     guard.check(c, signature, error)
-    name = algorithm
-    if algorithm == "auto":
-        name = select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) if x.size \
-            else "native"
-    return c, x, y, opx, name
+    if algorithm != "auto":
+        return c, x, y, opx, algorithm
+    return c, x, y, opx, select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) \
+        if x.size else "native"
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:

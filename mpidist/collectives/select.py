@@ -17,7 +17,9 @@ __all__ = ["choose", "explain", "main", "parse_size"]
 def choose(comm, nbytes: int) -> str:
     """The algorithm "auto" runs for nbytes on comm; the same on every rank.
     Collective the first time a communicator asks (the model is loaded or probed)."""
-    return costmodel.get_model(comm).choose(nbytes)
+    last = costmodel.last_model()
+    model = last[1] if last[0] is comm else costmodel.get_model(comm)
+    return model.choose(nbytes)
 
 
 def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:
