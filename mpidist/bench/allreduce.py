@@ -21,6 +21,7 @@ import argparse
 import csv
 import json
 import os
+import textwrap
 import time
 
 import numpy as np
@@ -137,7 +138,7 @@ def _plot(rows, path: str, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     ax1.set_yscale("log")
     ax2.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
