@@ -37,6 +37,8 @@ def pytest_configure(config):
     if RANK != 0:
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
         logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
+        if logdir:
+            os.makedirs(logdir, exist_ok=True)
         path = os.path.join(logdir, f"rank{RANK}.log") if logdir else os.devnull
         global _RANK_LOG
         _RANK_LOG = open(path, "w", buffering=1)
