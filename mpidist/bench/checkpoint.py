@@ -50,14 +50,6 @@ def bench_state(size_bytes: int, tensors: int, rank: int, size: int) -> dict:
     return state
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mpidist bench checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", type=float, default=1024.0, help="MiB of state in all (default 1024)")
@@ -75,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--size-mb, --repeat and --tensors must be positive")
 
     from mpidist.checkpoint import CheckpointManager, open_checkpoint
+    from mpidist.checkpoint.writer import fsync_path
     from mpidist.comm import default_communicator
     from mpidist.partition import chunk
 
@@ -99,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             plain_buf.tofile(path)
             if not a.no_fsync:
-                _fsync(path)
+                fsync_path(path)
             times["plain"].append(time.perf_counter() - t0)
             os.remove(path)
         c.Barrier()

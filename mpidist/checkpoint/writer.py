@@ -99,7 +99,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
         err = None
         try:
             if fsync and c.local_rank == 0:
-                _fsync(tmp)
+                fsync_path(tmp)
         except OSError as exc:
             err = exc
         fmt.agree(c, err)
@@ -107,7 +107,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
             try:
                 os.replace(tmp, path)
                 if fsync:
-                    _fsync(directory)
+                    fsync_path(directory)
             except OSError as exc:
                 err = exc
         fmt.agree(c, err)
@@ -293,7 +293,8 @@ def _reserve_probe(probe: str, nbytes: int) -> None:
         os.remove(probe)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by path (a directory: makes a rename durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
