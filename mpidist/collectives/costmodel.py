@@ -6,19 +6,26 @@ each algorithm in its module), alpha is the cost of a message step, beta of a by
 and gamma of a byte reduced.
 
 Fitted per link level by a short probe: "world" is the communicator itself, "intra" its
-node communicator and "inter" the communicator across nodes. gamma is timed directly
-(an in-place ufunc over a buffer larger than the caches). alpha and beta are fitted per
+node communicator and "inter" the communicator across nodes. gamma is timed directly (an
+in-place ufunc over a buffer larger than the caches). alpha and beta are fitted per
 algorithm by least squares over a few message sizes (relative error), because the MPI
 library's C collectives and mpidist's Python-driven segmented steps pay very different
-fixed costs per step. The native MPI_Allreduce, whose internal algorithm is the library's
-choice, is modelled as one step moving n. The hierarchical algorithm is predicted by
-composing the ring's intra-node and inter-node fits. The shared-memory algorithm is a
-candidate only on a communicator within one node.
+fixed costs per step. Memory behaves differently in and out of the caches, so besides the
+fit over all sizes ("fits") each algorithm gets a piecewise fit ("pieces"): one (alpha,
+beta) per size range between the cache breakpoints BREAKS, each fitted from the probe
+points in its range (both ends included), and predictions use the piece holding the size.
+Probe sizes reach 32 MiB so the ranges where the choice matters are measured, not
+extrapolated; the probe stops early when it runs past PROBE_SECONDS per level. The native
+MPI_Allreduce, whose internal algorithm is the library's choice, is modelled as one step
+moving n. The hierarchical algorithm is predicted by composing the ring's intra-node and
+inter-node fits. The shared-memory algorithm is a candidate only on a communicator within
+one node.
 
-Every timing is the maximum over ranks, and rank 0 broadcasts the fitted model, so every
-rank holds the same numbers and "auto" picks the same algorithm everywhere. Models are
-cached as JSON under ~/.cache/mpidist/ (env MPIDIST_CACHE_DIR), keyed by the hosts, the
-rank layout, the MPI library and the segment size; delete the file (or pass refit) to probe again.
+Every timing is the median over repetitions (as the benchmark reports) of the maximum over
+ranks, and rank 0 broadcasts the fitted model, so every rank holds the same numbers and
+"auto" picks the same algorithm everywhere. Models are cached as JSON under
+~/.cache/mpidist/ (env MPIDIST_CACHE_DIR), keyed by the hosts, the rank layout, the MPI
+library and the segment size; delete the file (or pass refit) to probe again.
 """
 from __future__ import annotations
 
@@ -43,9 +50,11 @@ from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.ring import segment_bytes
 
 __all__ = ["CostModel", "coefficients", "measure", "measure_all", "get_model", "probe",
-           "PROBE_SIZES", "cache_path"]
+           "PROBE_SIZES", "BREAKS", "cache_path"]
 
-PROBE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)    # a second or so on an idle machine
+PROBE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+BREAKS = (256 << 10, 4 << 20)      # the piecewise fit's ranges: in cache, in L3, in memory
+PROBE_SECONDS = 4.0                # per level: larger sizes are left out past this
 FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "shm", "native")
 
 
@@ -79,10 +88,10 @@ def coefficients(algorithm: str, p: int) -> tuple[float, float, float]:
 
 def measure_all(comm, algorithms, nbytes: int, reps: int = 3,
                 dtype=np.float32) -> dict[str, float]:
-    """Best over reps of the slowest rank's time (seconds) for one allreduce of nbytes,
+    """Median over reps of the slowest rank's time (seconds) for one allreduce of nbytes,
     per algorithm. The algorithms take turns within each repetition, so a burst of other
-    load hits them alike; the best, not the mean, because other load on a shared machine
-    only ever adds time (on a quiet machine best and median agree)."""
+    load hits them alike; the median, as the benchmark reports, so the model predicts
+    what a run typically takes."""
     x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
     op = get_op("sum")
     fns = [ALGORITHMS[a] for a in algorithms]
@@ -96,7 +105,7 @@ def measure_all(comm, algorithms, nbytes: int, reps: int = 3,
             fn(comm, x, x, op)
             times[i, j] = time.perf_counter() - t0
     comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return {a: float(t) for a, t in zip(algorithms, times.min(axis=0))}
+    return {a: float(t) for a, t in zip(algorithms, np.median(times, axis=0))}
 
 
 def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) -> float:
@@ -106,7 +115,7 @@ def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) 
 
 def _reps(nbytes: int) -> int:
     """Probe repetitions: more where a run is cheap and noisy."""
-    return 7 if nbytes <= (64 << 10) else 3 if nbytes <= (1 << 20) else 2
+    return 7 if nbytes <= (64 << 10) else 5 if nbytes <= (1 << 20) else 3
 
 
 def _time_gamma(comm) -> float:
@@ -137,9 +146,27 @@ def _fit(algorithm: str, p: int, gamma: float, sizes, times) -> tuple[float, flo
     return float(sol[0]), float(sol[1])
 
 
+def _pieces(algorithm: str, p: int, gamma: float, sizes, times) -> list[list[float]]:
+    """[[upto, alpha, beta], ...]: a fit per range between BREAKS from the points in it
+    (ends included); a range with fewer than two points is covered by the piece before."""
+    bounds = [b for b in BREAKS if b < sizes[-1]] + [sizes[-1]]
+    pieces, lo = [], 0
+    for hi in bounds:
+        idx = [i for i, n in enumerate(sizes) if lo <= n <= hi]
+        if len(idx) >= 2:
+            fit = _fit(algorithm, p, gamma, [sizes[i] for i in idx], [times[i] for i in idx])
+            pieces.append([hi, *fit])
+            lo = hi
+        elif pieces:
+            pieces[-1][0] = hi
+    return pieces
+
+
 class CostModel:
     """Fitted levels: {"world"|"intra"|"inter": {"p", "gamma", "fits": {alg: [alpha, beta]},
-    "samples": {alg: [[nbytes, seconds], ...]}}} plus the node shape (nodes, per_node)."""
+    "pieces": {alg: [[upto, alpha, beta], ...]}, "samples": {alg: [[nbytes, seconds], ...]}}}
+    plus the node shape (nodes, per_node). "pieces" (optional) wins over "fits": the
+    first piece whose upto >= nbytes, the last one beyond."""
 
     def __init__(self, levels: dict, nodes: int, per_node: int):
         self.levels, self.nodes, self.per_node = levels, nodes, per_node
@@ -153,7 +180,11 @@ class CostModel:
 
     def _level(self, level: str, algorithm: str, nbytes: float) -> float:
         lv = self.levels[level]
-        alpha, beta = lv["fits"][algorithm]
+        pieces = lv.get("pieces", {}).get(algorithm)
+        if pieces:
+            alpha, beta = next((pc[1:] for pc in pieces if nbytes <= pc[0]), pieces[-1][1:])
+        else:
+            alpha, beta = lv["fits"][algorithm]
         a, b, g = coefficients(algorithm, lv["p"])
         return a * alpha + b * nbytes * beta + g * nbytes * lv["gamma"]
 
@@ -187,14 +218,30 @@ class CostModel:
 
 
 def _probe_level(comm, algorithms, sizes, reps: int | None) -> dict:
+    """Time every algorithm at the sizes (ascending), leaving out the larger ones once the
+    next would run past PROBE_SECONDS (judged by the slowest rank, so all ranks agree)."""
     gamma = _time_gamma(comm)
-    by_size = {s: measure_all(comm, algorithms, s, reps or _reps(s)) for s in sizes}
-    fits, samples = {}, {}
+    sizes = sorted(sizes)
+    by_size, t0, last = {}, time.perf_counter(), None
+    for s in sizes:
+        if last is not None:
+            clock = np.array([time.perf_counter() - t0, last[1]])
+            comm.comm.Allreduce(MPI.IN_PLACE, clock, MPI.MAX)
+            spent, cost = clock
+            if len(by_size) >= 2 and spent + cost * s / last[0] > PROBE_SECONDS:
+                break
+        t1 = time.perf_counter()
+        by_size[s] = measure_all(comm, algorithms, s, reps or _reps(s))
+        last = (s, time.perf_counter() - t1)
+    sizes = sorted(by_size)
+    fits, pieces, samples = {}, {}, {}
     for alg in algorithms:
         times = [by_size[s][alg] for s in sizes]
         samples[alg] = [[s, t] for s, t in zip(sizes, times)]
         fits[alg] = list(_fit(alg, comm.size, gamma, sizes, times))
-    return {"p": comm.size, "gamma": gamma, "fits": fits, "samples": samples}
+        pieces[alg] = _pieces(alg, comm.size, gamma, sizes, times)
+    return {"p": comm.size, "gamma": gamma, "fits": fits, "pieces": pieces,
+            "samples": samples}
 
 
 def probe(comm, sizes=PROBE_SIZES, reps: int | None = None) -> CostModel:
@@ -218,7 +265,7 @@ def cache_path(comm) -> str:
     hosts = sorted(set(comm.comm.allgather(socket.gethostname())))
     ident = json.dumps([hosts, comm.size, getattr(comm, "node_sizes", [comm.size]),
                         MPI.Get_library_version().strip().splitlines()[0], mpidist.__version__,
-                        segment_bytes(), PROBE_SIZES])
+                        segment_bytes(), PROBE_SIZES, BREAKS])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("MPIDIST_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "mpidist")

@@ -29,6 +29,29 @@ def test_fit_recovers_alpha_and_beta():
     assert math.isclose(fa, alpha, rel_tol=1e-6) and math.isclose(fb, beta, rel_tol=1e-6)
 
 
+def test_pieces_fit_each_cache_range():
+    """Bytes dearer above 4 MiB (out of cache; continuous at the break): each range's piece
+    recovers its own (alpha, beta), and predictions use the piece holding the size."""
+    p, gamma, brk = 4, 0.1e-9, 4 << 20
+    a, b, g = coefficients("ring", p)
+    near = (200e-6, 0.5e-9)
+    far = (near[0] - b * brk * 0.1e-9 / a, 0.6e-9)
+    sizes = list(costmodel.PROBE_SIZES)
+
+    def cost(n):
+        al, be = near if n <= brk else far
+        return a * al + b * n * be + g * n * gamma
+
+    pieces = costmodel._pieces("ring", p, gamma, sizes, [cost(n) for n in sizes])
+    assert [pc[0] for pc in pieces] == [*costmodel.BREAKS, sizes[-1]]
+    for pc, (al, be) in zip(pieces, [near, near, far]):
+        assert math.isclose(pc[1], al, rel_tol=1e-6) and math.isclose(pc[2], be, rel_tol=1e-6)
+    m = CostModel({"world": {"p": p, "gamma": gamma, "fits": {"ring": [0.0, 0.0]},
+                             "pieces": {"ring": pieces}}}, 1, 1)
+    for n in (8, 1 << 20, 64 << 20):
+        assert math.isclose(m.predict("ring", n), cost(n))
+
+
 def _model(p=4, nodes=1, per_node=1):
     fits = {"ring": [50e-6, 0.4e-9], "tree": [30e-6, 0.5e-9], "dbtree": [60e-6, 0.6e-9],
             "shm": [100e-6, 0.9e-9],
