@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, lv in model.levels.items():
             fits = ", ".join(f"{a} a={v[0] * 1e6:.1f}us b={v[1] * 1e9:.3f}ns/B"
                              for a, v in lv["fits"].items())
-            print(f"# level {name}: p={lv['p']} gamma={lv['gamma'] * 1e9:.3f}ns/B; {fits}")
+            note = " (over all sizes; predictions use per-range pieces)" if lv.get("pieces") \
+                else ""
+            print(f"# level {name}: p={lv['p']} gamma={lv['gamma'] * 1e9:.3f}ns/B; {fits}{note}")
         print(f"{'size':>8} {'algorithm':>19} {'predicted ms':>13} {'measured ms':>12} "
               f"{'error':>7}  auto")
         for r in rows:
