@@ -97,6 +97,15 @@ def _slices(comm, n: int, dt):
     return w, [s[:n * dt.itemsize].view(dt) for s in w.slices]
 
 
+def _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op: Op, out) -> None:
+    """Publish my input in my slice (once everyone has finished reading the previous call's
+    results), then reduce elements [lo, hi) over every rank's copy into out."""
+    _barrier(comm, w)
+    part[comm.rank][...] = sendbuf
+    _barrier(comm, w)
+    _reduce_chunk(comm, part, lo, hi, op, out)
+
+
 def allreduce(comm, sendbuf, recvbuf, op: Op):
     """Shared-memory allreduce (recvbuf may be sendbuf); the ring where it can not run."""
     if not usable(comm) or not isinstance(sendbuf, np.ndarray):
@@ -104,13 +113,9 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     p, r = comm.size, comm.rank
     counts, displs = counts_displs(len(sendbuf), p)
     w, part = _slices(comm, len(sendbuf), sendbuf.dtype)
-    # 1. publish my input (after everyone has finished reading the previous call's results)
-    _barrier(comm, w)
-    part[r][...] = sendbuf
-    _barrier(comm, w)
-    # 2. reduce my chunk over every rank's copy into my own slice
+    # 1.-2. publish my input, reduce my chunk over every rank's copy into my own slice
     lo, hi = displs[r], displs[r] + counts[r]
-    _reduce_chunk(comm, part, lo, hi, op, part[r][lo:hi])
+    _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op, part[r][lo:hi])
     op.finalize(part[r][lo:hi], p)
     # 3. gather every rank's reduced chunk
     _barrier(comm, w)
@@ -126,10 +131,7 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     p, r = comm.size, comm.rank
     counts, displs = counts_displs(len(sendbuf), p)
     w, part = _slices(comm, len(sendbuf), sendbuf.dtype)
-    _barrier(comm, w)
-    part[r][...] = sendbuf
-    _barrier(comm, w)
-    _reduce_chunk(comm, part, displs[r], displs[r] + counts[r], op, shard)
+    _publish_and_reduce(comm, w, part, sendbuf, displs[r], displs[r] + counts[r], op, shard)
     if finalize_n is not None:
         op.finalize(shard, finalize_n)
     return shard

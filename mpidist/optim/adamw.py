@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.base import Optimizer, check_betas, check_eps
+from mpidist.optim.base import Optimizer, check_adam_flags, check_betas, check_eps
 
 __all__ = ["AdamW"]
 
@@ -24,10 +24,7 @@ class AdamW(Optimizer):
                  amsgrad=False, bias_correction=True, exclude=(), **kw):
         self.betas = check_betas(betas)
         self.eps = check_eps(eps)
-        for what, flag in (("amsgrad", amsgrad), ("bias_correction", bias_correction)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
-        self.amsgrad, self.bias_correction = amsgrad, bias_correction
+        self.amsgrad, self.bias_correction = check_adam_flags(amsgrad, bias_correction)
         super().__init__(layout, lr=lr, weight_decay=weight_decay, exclude=exclude, **kw)
 
     def _active_states(self):

@@ -104,6 +104,14 @@ def check_betas(betas) -> tuple[float, float]:
             check_number("beta2", betas[1], 0.0, 1.0, hi_open=True))
 
 
+def check_adam_flags(amsgrad, bias_correction) -> tuple[bool, bool]:
+    """The two boolean options the Adam-moment optimizers (AdamW, LAMB) share."""
+    for what, flag in (("amsgrad", amsgrad), ("bias_correction", bias_correction)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
+    return amsgrad, bias_correction
+
+
 def check_eps(eps) -> float:
     """eps > 0 and a normal float32 (states are fp32: a smaller eps flushes to zero there)."""
     eps = check_number("eps", eps, 0.0, lo_open=True)

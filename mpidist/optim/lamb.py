@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, check_betas, check_eps, \
+from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, check_adam_flags, check_betas, check_eps, \
     check_number
 
 __all__ = ["LAMB"]
@@ -46,10 +46,7 @@ class LAMB(LayerwiseOptimizer):
                  trust_clamp=(0.0, np.inf), exclude=DEFAULT_EXCLUDE, **kw):
         self.betas = check_betas(betas)
         self.eps = check_eps(eps)
-        for what, flag in (("amsgrad", amsgrad), ("bias_correction", bias_correction)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
-        self.amsgrad, self.bias_correction = amsgrad, bias_correction
+        self.amsgrad, self.bias_correction = check_adam_flags(amsgrad, bias_correction)
         self.phi_clamp = _clamp_pair("phi_clamp", phi_clamp)
         self.trust_clamp = _clamp_pair("trust_clamp", trust_clamp)
         super().__init__(layout, lr=lr, weight_decay=weight_decay, exclude=exclude, **kw)
