@@ -19,11 +19,13 @@ Aggregation tells the compressed allreduce how payloads combine by default:
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
 
-__all__ = ["Compressor", "step_seed", "check_ratio", "check_multiple_of_8", "kernels_for"]
+__all__ = ["Compressor", "step_seed", "check_ratio", "kept_count", "check_multiple_of_8", "kernels_for"]
 
 
 def kernels_for(x):
@@ -47,6 +49,11 @@ def check_ratio(ratio) -> float:
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio must be in (0, 1] (the kept fraction, e.g. 0.01), got {ratio}")
     return ratio
+
+
+def kept_count(ratio: float, n: int) -> int:
+    """How many of n elements a sparsifier keeps at this ratio: at least one, at most n."""
+    return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
 
 def check_multiple_of_8(value, what: str) -> int:

@@ -10,11 +10,9 @@ each entry is chosen with probability ~k/n, so E||x - C(x)||^2 ~ (1 - k/n) ||x||
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from mpidist.compress.base import Compressor, check_ratio, kernels_for, step_seed
+from mpidist.compress.base import Compressor, check_ratio, kept_count, kernels_for, step_seed
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["RandomK"]
@@ -33,7 +31,7 @@ class RandomK(Compressor):
         return {**super().config(), "ratio": self.ratio}
 
     def k_of(self, n: int) -> int:
-        return 0 if n == 0 else min(n, max(1, math.ceil(self.ratio * n)))
+        return kept_count(self.ratio, n)
 
     def encode(self, x, layout):
         n = x.shape[0]

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from mpidist.compress.base import Compressor, check_ratio, kernels_for, step_seed
+from mpidist.compress.base import Compressor, check_ratio, kept_count, kernels_for, step_seed
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["TopK"]
@@ -100,7 +100,7 @@ class TopK(Compressor):
         return {**super().config(), "ratio": self.ratio, "method": self.method}
 
     def k_of(self, n: int) -> int:
-        return 0 if n == 0 else min(n, max(1, math.ceil(self.ratio * n)))
+        return kept_count(self.ratio, n)
 
     def encode(self, x, layout):
         n = x.shape[0]
