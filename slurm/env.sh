@@ -19,9 +19,14 @@ fi
 if [ -n "$tpn" ]; then
   export MPIDIST_RANKS_PER_NODE=$tpn
 fi
-if [ "$(id -u)" -eq 0 ]; then      # containers: Open MPI refuses root and ptrace-based copies
+if [ "$(id -u)" -eq 0 ]; then      # containers: Open MPI refuses root unless told
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+# single copy between ranks (CMA) stays on unless this machine forbids it (mpidist.launcher)
+if ! python -c 'import sys; from mpidist.launcher import cma_permitted; sys.exit(not cma_permitted())'; then
   export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+else  # osc/rdma over vader+CMA crashes in MPI_Compare_and_swap (Open MPI 4.x, ompi#7967)
+  export OMPI_MCA_osc=${OMPI_MCA_osc:-^rdma}
 fi
 export PYTHONUNBUFFERED=1
 echo "[mpidist] job ${SLURM_JOB_ID:-?}${SLURM_ARRAY_TASK_ID:+ task $SLURM_ARRAY_TASK_ID} on $(hostname):" \

@@ -76,3 +76,18 @@ def test_launcher_works_from_inside_an_mpi_job(tmp_path):
     proc = launcher.run(1, [sys.executable, str(script)], timeout=180, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("inner 2") == 2 and proc.stdout.strip().endswith("0")
+
+
+def test_single_copy_is_switched_off_only_where_the_probe_forbids_it():
+    """CMA stays at Open MPI's default where a child may read its parent's memory; a value
+    the user set is never overridden."""
+    if launcher.mpi_vendor() != "openmpi":
+        pytest.skip("the single-copy setting is Open MPI's")
+    key = "OMPI_MCA_btl_vader_single_copy_mechanism"
+    base = {k: v for k, v in os.environ.items() if k != key}
+    permitted = launcher.cma_permitted()
+    env = launcher.mpi_env(2, {k: v for k, v in base.items() if k != "OMPI_MCA_osc"})
+    assert (env.get(key) == "none") is not permitted
+    # osc/rdma over single copy crashes in Compare_and_swap (Open MPI 4.x): kept off then
+    assert (env.get("OMPI_MCA_osc") == "^rdma") is permitted
+    assert launcher.mpi_env(2, {**base, key: "cma"})[key] == "cma"
