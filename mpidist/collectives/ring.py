@@ -7,10 +7,15 @@ overlap along the ring. Each rank reduces one chunk completely (its own, chunk `
 the allgather phase then distributes that single copy, so every rank ends with the same
 bits. Per rank it moves 2(p-1)/p of the buffer, the bandwidth optimum.
 
+Messages whose chunks fit one segment skip the pipeline: each step is one Sendrecv over a
+precomputed schedule (`schedule`, pure data, cached), so a small allreduce pays a handful
+of Python-level MPI calls and no per-step planning.
+
 Cost: 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 from mpi4py import MPI
@@ -19,7 +24,7 @@ from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.scratch import same_view, scratch
 from mpidist.partition import counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "segment_bytes"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "segment_bytes", "schedule"]
 
 _TAG = 301
 
@@ -41,6 +46,20 @@ def segment_bytes() -> int:
     if seg < 1:
         raise ValueError(f"MPIDIST_SEGMENT_BYTES must be a positive number of bytes, got {value!r}")
     return seg
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(n: int, rank: int, size: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The 2(size-1) steps of the ring allreduce of n elements on `rank`: per step the
+    element ranges (send lo, send hi, recv lo, recv hi) of the chunk sent to the right and
+    the chunk received from the left. Steps 0..size-2 reduce-scatter (the last one brings
+    the rank's own chunk), steps size-1.. allgather."""
+    counts, displs = counts_displs(n, size)
+    steps = []
+    for t in range(2 * (size - 1)):
+        s, q = (rank - t - 1) % size, (rank - t - 2) % size
+        steps.append((displs[s], displs[s] + counts[s], displs[q], displs[q] + counts[q]))
+    return tuple(steps)
 
 
 def _segments(count: int, seg: int):
@@ -137,6 +156,28 @@ def allgather(comm, shard, out):
     return out
 
 
+def _allreduce_unsegmented(comm, sendbuf, recvbuf, op: Op, steps) -> None:
+    """The ring for chunks of one segment: each step one blocking Sendrecv, partial sums
+    alternating between two scratch buffers."""
+    mpi, p = comm.comm, comm.size
+    left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
+    longest = -(-len(sendbuf) // p)               # chunk 0, the longest
+    work = (scratch(comm, 0, longest, sendbuf.dtype, like=sendbuf),
+            scratch(comm, 1, longest, sendbuf.dtype, like=sendbuf))
+    # 1. reduce-scatter: send my partial sum of one chunk, reduce the next one into it
+    out = sendbuf[steps[0][0]:steps[0][1]]
+    for t in range(p - 1):
+        _, _, lo, hi = steps[t]
+        got = work[t % 2][:hi - lo]
+        mpi.Sendrecv(out, right, _TAG, got, left, _TAG)
+        out = got if t < p - 2 else recvbuf[lo:hi]    # the last step brings my own chunk
+        reduce_into(op, got, sendbuf[lo:hi], out)
+    op.finalize(out, p)
+    # 2. allgather: pass the reduced chunks on around the ring
+    for slo, shi, lo, hi in steps[p - 1:]:
+        mpi.Sendrecv(recvbuf[slo:shi], right, _TAG, recvbuf[lo:hi], left, _TAG)
+
+
 def allreduce(comm, sendbuf, recvbuf, op: Op):
     """Ring allreduce of sendbuf into recvbuf (recvbuf may be sendbuf: in place).
 
@@ -144,13 +185,18 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     chunk (r-t-2) mod p, so the last reduce-scatter step flows into the first allgather
     step without a pause.
     """
-    mpi, p, r = comm.comm, comm.size, comm.rank
-    counts, displs = counts_displs(len(sendbuf), p)
+    p, r = comm.size, comm.rank
     if p == 1:
         if not same_view(recvbuf, sendbuf):
             recvbuf[...] = sendbuf
         return recvbuf
+    n = len(sendbuf)
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
+    if n <= seg * p:                          # every chunk is one segment
+        _allreduce_unsegmented(comm, sendbuf, recvbuf, op, schedule(n, r, p))
+        return recvbuf
+    mpi = comm.comm
+    counts, displs = counts_displs(n, p)
     work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
     chunk_of = [(r - t - 1) % p for t in range(2 * p - 1)]   # chunk sent at step t
 
