@@ -93,8 +93,12 @@ class CheckpointHook:
 
 
 def _expected_shapes(strategy, comm) -> dict:
-    """Collective: every tensor key the strategy holds anywhere, with its global shape."""
-    mine = {k: tuple(p.shape) for k, p in strategy.state_dict().tensors.items()}
+    """Collective: every model tensor key (params/, optim/) the strategy holds anywhere, with
+    its global shape; run state (compression residuals, ps clocks) is optional."""
+    from mpidist.engine.strategy import MODEL_PREFIXES
+
+    mine = {k: tuple(p.shape) for k, p in strategy.state_dict().tensors.items()
+            if k.startswith(MODEL_PREFIXES)}
     shapes: dict = {}
     for part in comm.comm.allgather(mine):
         shapes.update(part)

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.distributed import DistributedOptimizer
 from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config, build_optimizer_from_config,
                                      read_flat, replicated_pieces)
@@ -91,13 +92,21 @@ class DataParallel(Strategy):
         tensors = replicated_pieces("params", self.layout, self.params.data, r, s)
         for name, buf in sorted(self.optimizer.state_buffers().items()):
             tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, s))
-        return StateDict(self.step, tensors, {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name})
+        scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name}
+        ca = self.dopt.compressed
+        if ca is not None:          # this rank's residuals: one row per rank
+            tensors.update(compression_pieces(ca, self.layout, r, s))
+            scalars["compression"] = compression_scalars(ca)
+        return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
         read_flat(source, "params", self.layout, self.params.data)
         for name, buf in self.optimizer.state_buffers().items():
             read_flat(source, f"optim/{name}", self.layout, buf)
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
+        if self.dopt.compressed is not None:
+            restore_compression(self.dopt.compressed, source, self.layout,
+                                [(lo, hi - lo) for lo, hi in self.dopt.buckets], self.comm.rank, self.comm.size)
         self.step = int(source.step)
         self.dopt.zero_grad()
 

@@ -28,6 +28,10 @@ row-major flattening at `offset`. Over the ranks of strategy.comm the pieces of 
 are disjoint and cover it exactly once (a replicated tensor is split by chunk()), so a
 parallel HDF5 writer writes every byte once. load_state_dict(source) pulls what this rank
 needs through source.read(key, offset, count), whatever world size wrote it.
+Keys under MODEL_PREFIXES ("params/", "optim/") are the model's logical tensors: a
+checkpoint must hold every one the strategy has to be loaded. Other keys are run state
+("compress/..." residuals, "ps/..." clocks): loaded when present, started afresh when not
+(a checkpoint written without them, or by another strategy).
 """
 from __future__ import annotations
 
@@ -44,10 +48,13 @@ from mpidist.partition import chunk
 __all__ = ["Strategy", "StateDict", "TensorPiece", "InMemoryState", "STRATEGIES", "register_strategy",
            "build_strategy", "strategy_factory", "flat_pieces", "replicated_pieces", "read_flat",
            "gather_state", "build_model_from_config", "build_optimizer_from_config", "lr_schedule",
-           "build_compression", "METRIC_KEYS"]
+           "build_compression", "METRIC_KEYS", "MODEL_PREFIXES"]
 
 # Keys every train_step result has (values identical on all ranks except the t_* timings).
 METRIC_KEYS = ("loss", "correct", "count", "t_compute", "t_comm", "t_optim")
+
+# Key prefixes of the tensors every checkpoint must hold (the rest is optional run state).
+MODEL_PREFIXES = ("params/", "optim/")
 
 STRATEGIES: dict[str, str] = {
     "dp": "mpidist.engine.dp:DataParallel",

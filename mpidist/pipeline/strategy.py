@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce, reduce_scatter
+from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
                                      build_optimizer_from_config, flat_pieces, read_flat,
@@ -218,14 +219,20 @@ class PipelineStrategy(Strategy):
                 tensors.update(flat_pieces(f"optim/{name}", self.layout, buf, self.offset))
             else:
                 tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, n))
-        return StateDict(self.step, tensors, {"optim_step": self.optimizer.step_count,
-                                              "optim": self.optimizer.name})
+        scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name}
+        if self.compressed is not None:     # this replica's residuals of its stage's tensors
+            tensors.update(compression_pieces(self.compressed, self.layout, r, n))
+            scalars["compression"] = compression_scalars(self.compressed)
+        return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
         read_flat(source, "params", self.layout, self.params.data)
         for name, buf in self.optimizer.state_buffers().items():
             read_flat(source, f"optim/{name}", self.layout, buf, lo=self.offset)
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
+        if self.compressed is not None:
+            restore_compression(self.compressed, source, self.layout, [(0, self.layout.numel)],
+                                self.grid.replica, self.grid.dp)
         self.step = int(source.step)
         self.grads.data[...] = 0
 

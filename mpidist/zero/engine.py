@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce
 from mpidist.comm import as_communicator
+from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.strategy import StateDict, flat_pieces, read_flat
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module
@@ -260,6 +261,9 @@ class ZeroEngine(abc.ABC):
             tensors.update(flat_pieces(f"optim/{state}", self.layout, buf, self.offset))
         scalars = {"optim_step": self.optimizer.step_count, "zero_stage": self.stage,
                    "param_dtype": str(self.dtype)}
+        if self.compression is not None:      # stage 1: this rank's residuals, one row per rank
+            tensors.update(compression_pieces(self.compression, self.layout, self.comm.rank, self.comm.size))
+            scalars["compression"] = compression_scalars(self.compression)
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
@@ -281,6 +285,9 @@ class ZeroEngine(abc.ABC):
             sd["step"] = int(source.scalars.get("optim_step", source.step))
             sd["state"] = state
             self.optimizer.load_state_dict(sd)
+            if self.compression is not None:
+                restore_compression(self.compression, source, self.layout, [(0, self.layout.numel)],
+                                    self.comm.rank, self.comm.size)
             self.step = int(source.step)
         except (KeyError, TypeError, ValueError) as exc:
             error = exc
