@@ -11,6 +11,8 @@ Cost: 2 ceil(log2 p) alpha + 2 n beta + n gamma (pipelined: the depth adds laten
 """
 from __future__ import annotations
 
+import functools
+
 from mpidist.collectives.ops import Op
 from mpidist.collectives.tree import Tree, tree_allreduce
 from mpidist.partition import chunk
@@ -34,8 +36,9 @@ def inorder_tree(pos: int, size: int) -> tuple[int | None, tuple[int, ...]]:
         lo, hi = (lo, r - 1) if pos < r else (r + 1, hi)
 
 
-def double_trees(rank: int, size: int, n: int) -> list[Tree]:
-    """This rank's two trees; tree t carries elements chunk(n, t, 2)."""
+@functools.lru_cache(maxsize=256)
+def double_trees(rank: int, size: int, n: int) -> tuple[Tree, Tree]:
+    """This rank's two trees; tree t carries elements chunk(n, t, 2) (cached: pure data)."""
     maps = [lambda x: x,
             (lambda x: size - 1 - x) if size % 2 == 0 else (lambda x: (x + 1) % size)]
     unmaps = [lambda x: x,
@@ -46,7 +49,7 @@ def double_trees(rank: int, size: int, n: int) -> list[Tree]:
         lo, count = chunk(n, t, 2)
         trees.append(Tree(None if parent is None else unmaps[t](parent),
                           tuple(unmaps[t](c) for c in children), lo, lo + count))
-    return trees
+    return tuple(trees)
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):

@@ -97,6 +97,6 @@ def reduce_into(op: Op, a, b, out) -> None:
     """out = a (op) b, elementwise, without temporaries; device work finished before return
     so MPI may send `out` right away."""
     op.ufunc(a, b, out=out)
-    if type(out).__module__.split(".")[0] == "cupy":
+    if type(out) is not np.ndarray and type(out).__module__.split(".")[0] == "cupy":
         import cupy
         cupy.cuda.get_current_stream().synchronize()

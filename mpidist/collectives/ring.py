@@ -36,7 +36,11 @@ def segment_bytes() -> int:
     both neighbours are inside MPI calls and each one costs a rendezvous handshake, so
     segments stay large enough for that to be small against the copy and the reduction.
     """
-    value = os.environ.get("MPIDIST_SEGMENT_BYTES")
+    return _parse_segment_bytes(os.environ.get("MPIDIST_SEGMENT_BYTES"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_segment_bytes(value: str | None) -> int:
     if not value:
         return 1 << 20
     try:

@@ -5,10 +5,13 @@ Latency-friendly (2 log2 p steps of alpha) but every interior rank moves the who
 per child, so it loses to the ring for large messages.
 
 Cost: 2 ceil(log2 p) alpha + 2 ceil(log2 p) n beta + ceil(log2 p) n gamma (no pipelining
-credit taken). The pipelined tree engine here also runs the double binary tree (dbtree.py).
+credit taken). The pipelined tree engine here also runs the double binary tree (dbtree.py);
+ranges of one segment skip the pipeline: each tree moves its range as one message per edge
+each way, with every child's receive posted first and the leaves sending at once.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -49,7 +52,43 @@ def _segments(lo: int, hi: int, seg: int):
     return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
 
 
-def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees: list[Tree]):
+def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
+    """Reduce up and broadcast down each (non-empty) tree's range as one message."""
+    mpi = comm.comm
+    trees = [(2 * ti, t) for ti, t in enumerate(trees) if t.hi > t.lo]     # (tag offset, tree)
+    # 1. reduce up: post every child's receive, let the leaves send, then reduce
+    inbox = []
+    for k, t in trees:
+        bufs = [scratch(comm, 10 + k + ci, t.hi - t.lo, sendbuf.dtype, like=sendbuf)
+                for ci in range(len(t.children))]
+        inbox.append([(mpi.Irecv(b, c, _TAG + k), b) for b, c in zip(bufs, t.children)])
+    ups = [mpi.Isend(sendbuf[t.lo:t.hi], t.parent, _TAG + k) for k, t in trees
+           if not t.children and t.parent is not None]
+    for (k, t), got in zip(trees, inbox):
+        if not got and t.parent is not None:
+            continue                                  # a leaf: sent above
+        acc, src = recvbuf[t.lo:t.hi], sendbuf[t.lo:t.hi]
+        for req, buf in got:
+            req.Wait()
+            reduce_into(op, src, buf, acc)
+            src = acc
+        if t.parent is not None:
+            ups.append(mpi.Isend(acc, t.parent, _TAG + k))
+        else:                                         # the root holds the one result
+            if not same_view(src, acc):
+                acc[...] = src
+            op.finalize(acc, comm.size)
+    # 2. broadcast down, roots first: my up-sends are done before the result overwrites them
+    MPI.Request.Waitall(ups)
+    downs = []
+    for k, t in sorted(trees, key=lambda kt: kt[1].parent is not None):
+        if t.parent is not None:
+            mpi.Recv(recvbuf[t.lo:t.hi], t.parent, _TAG + k + 1)
+        downs.extend(mpi.Isend(recvbuf[t.lo:t.hi], c, _TAG + k + 1) for c in t.children)
+    MPI.Request.Waitall(downs)
+
+
+def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees):
     """Reduce up, then broadcast down, each tree's element range, segment by segment.
 
     The trees' segments are interleaved, so with two complementary trees (dbtree) every
@@ -58,6 +97,9 @@ def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees: list[Tree]):
     """
     mpi, p = comm.comm, comm.size
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
+    if all(t.hi - t.lo <= seg for t in trees):
+        _unsegmented(comm, sendbuf, recvbuf, op, trees)
+        return recvbuf
     plans = [_segments(t.lo, t.hi, seg) for t in trees]
     nseg = max((len(s) for s in plans), default=0)
     slots = {}
@@ -112,7 +154,12 @@ def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees: list[Tree]):
     return recvbuf
 
 
+@functools.lru_cache(maxsize=256)
+def _binomial(rank: int, size: int, n: int) -> tuple[Tree]:
+    return (Tree(*binomial_tree(rank, size), 0, n),)
+
+
 def allreduce(comm, sendbuf, recvbuf, op: Op):
     """Binomial-tree reduce to rank 0 + broadcast (recvbuf may be sendbuf)."""
-    parent, children = binomial_tree(comm.rank, comm.size)
-    return tree_allreduce(comm, sendbuf, recvbuf, op, [Tree(parent, children, 0, len(sendbuf))])
+    return tree_allreduce(comm, sendbuf, recvbuf, op, _binomial(comm.rank, comm.size,
+                                                                len(sendbuf)))
