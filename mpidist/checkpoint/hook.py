@@ -51,9 +51,16 @@ class CheckpointHook:
                 err = exc
             fmt.agree(self.comm, err)
             if src.world_size == self.comm.size and len(src.rank_meta) == self.comm.size:
-                state = src.rank_meta[self.comm.rank].get("numpy_rng")
+                mine = src.rank_meta[self.comm.rank]
+                state = mine.get("numpy_rng")
                 if state is not None:
                     np.random.set_state(tuple(state))
+                # dropout masks continue only where every rank has the same rows and layers
+                states, generators = mine.get("model_rng"), _generators(strategy)
+                if states is not None and len(states) == len(generators) and \
+                        src.meta.get("config", {}).get("parallel") == self.config["parallel"]:
+                    for g, s in zip(generators, states):
+                        g.bit_generator.state = s
             if self.comm.rank == 0:
                 log.info("resumed from %s (step %d, written by %d ranks, %s)", src.path, src.step,
                          src.world_size, src.meta.get("strategy", "?"))
@@ -84,12 +91,19 @@ class CheckpointHook:
             sd.step, sd.tensors, epoch=epoch, scalars=sd.scalars,
             meta={"config": self.config, "strategy": self.config["parallel"]["strategy"],
                   "loader": {"epoch": epoch, "batch": batch, "seed": job.get("seed")}},
-            rank_meta={"numpy_rng": [rng[0], rng[1].tolist(), *rng[2:]]})
+            rank_meta={"numpy_rng": [rng[0], rng[1].tolist(), *rng[2:]],
+                       "model_rng": [g.bit_generator.state for g in _generators(strategy)]})
         self.saved_step = sd.step
         return path
 
     def close(self) -> None:
         self.preemption.uninstall()
+
+
+def _generators(strategy) -> list:
+    """The random generators (dropout) of the model this rank runs; none without a model."""
+    model = getattr(strategy, "model", None)
+    return model.generators() if model is not None else []
 
 
 def _expected_shapes(strategy, comm) -> dict:

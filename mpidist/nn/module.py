@@ -81,6 +81,12 @@ class Module:
     def reset(self, rng: np.random.Generator) -> None:
         """Leaf layers with parameters override this."""
 
+    def generators(self) -> list[np.random.Generator]:
+        """The random generators (dropout masks) of this module and its children, in module
+        order: restoring their states makes a resumed run draw the masks it would have drawn."""
+        own = [v for v in vars(self).values() if isinstance(v, np.random.Generator)]
+        return own + [g for _, child in self._children for g in child.generators()]
+
     def _set(self, name: str, values: np.ndarray) -> None:
         view = self.p[name]
         view[...] = get_array_module(view).asarray(values, dtype=view.dtype)

@@ -136,8 +136,7 @@ class Stage:
         self.index = int(index)
         self.layers = list(layers)
         self._modules = [m for _, layer in self.layers for m in _modules(layer)]
-        self._rngs = [m._rng for m in self._modules
-                      if isinstance(getattr(m, "_rng", None), np.random.Generator)]
+        self._rngs = [g for _, layer in self.layers for g in layer.generators()]
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [s for prefix, layer in self.layers for s in layer.param_shapes(prefix)]

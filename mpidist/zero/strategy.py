@@ -57,6 +57,11 @@ class ZeroStrategy(Strategy):
             for line in reports:
                 log.info("memory at start: %s", line)
 
+    @property
+    def model(self):
+        """The mpidist.nn model this rank runs (the checkpoint hook saves its dropout generators)."""
+        return self.engine.model
+
     def train_step(self, x, y, global_count: int | None = None) -> dict:
         if global_count is not None:
             global_count *= self.tokens

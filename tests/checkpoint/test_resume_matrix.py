@@ -106,11 +106,12 @@ def test_the_cover_is_a_graeco_latin_square():
     assert {o["name"] for _, _, o in plans.values()} == {"adamw", "lamb", "sgd"}
 
 
-def job_config(out_dir: str, data_dir: str, parallel: dict, optim: dict, resume: bool) -> dict:
+def job_config(out_dir: str, data_dir: str, parallel: dict, optim: dict, resume: bool,
+               dropout: float = 0.0) -> dict:
     return validate({
         "job": {"steps": STEPS, "eval_every": 0, "progress": False, "plot": False, "seed": 5,
                 "out_dir": out_dir},
-        "model": {"name": "mlp", "hidden": [16, 16]},
+        "model": {"name": "mlp", "hidden": [16, 16], "dropout": dropout},
         "data": {"dataset": "synthetic", "samples": 120, "features": 8, "classes": 4,
                  "test_fraction": 0.2, "batch_size": 32, "shuffle": True, "cache_dir": data_dir},
         "optim": {**optim, "schedule": "cosine", "warmup_steps": 2},
@@ -186,3 +187,28 @@ def test_saved_at_p_by_one_strategy_resumed_at_q_by_another(comm, shared_dir, p,
             u, v = x.read_full(key).astype(np.float64), y.read_full(key).astype(np.float64)
             scale = max(float(np.abs(u).max()), np.finfo(np.float32).tiny)
             assert float(np.abs(u - v).max()) <= RTOL * scale, f"{what}: {key} differs"
+
+
+@pytest.mark.parametrize("parallel", [
+    pytest.param({"strategy": "dp"}, id="dp"),
+    pytest.param({"strategy": "zero", "stage": 3}, id="zero3"),
+    pytest.param({"strategy": "pipeline", "stages": 2, "microbatches": 4}, id="pipeline",
+                 marks=pytest.mark.mpi(min_size=2))])
+def test_dropout_masks_continue_when_resumed_on_the_same_ranks(comm, shared_dir, parallel):
+    """Each rank's dropout generators are checkpointed: resumed with the same strategy on
+    the same ranks, the run draws the masks the uninterrupted run drew (bit-identical
+    losses). On another world size or strategy the masks cannot match: there each rank's
+    generators start again from the seed."""
+    n = comm.size - comm.size % 2 if parallel["strategy"] == "pipeline" else comm.size
+    data = os.path.join(shared_dir, "data")
+    straight, resumed = os.path.join(shared_dir, "straight"), os.path.join(shared_dir, "resumed")
+    on_first_ranks(comm, n, lambda c: run(job_config(straight, data, parallel, OPTIMIZERS[0], False,
+                                                     dropout=0.3), c))
+    if comm.rank == 0:
+        os.makedirs(os.path.join(resumed, "ckpt"))
+        shutil.copy(os.path.join(straight, "ckpt", f"ckpt-{SAVE_AT:08d}.h5"), os.path.join(resumed, "ckpt"))
+    on_first_ranks(comm, n, lambda c: run(job_config(resumed, data, parallel, OPTIMIZERS[0], True,
+                                                     dropout=0.3), c))
+    a, b = _steps(straight), _steps(resumed)
+    assert sorted(b) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert [b[s]["loss"] for s in b] == [a[s]["loss"] for s in b]
