@@ -3,15 +3,21 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
 
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --sizes 8,4K,1M,64M --reps 5
+    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --calibrate
     MPIDIST_RANKS_PER_NODE=2 python -m mpidist.launcher -n 4 -- mpidist bench allreduce
 
-For each size (bytes of float32) and algorithm: time of one allreduce (median over the
-repetitions of the slowest rank's time, after a warm-up; the algorithms take turns in
-each repetition, in a rotating order, so other load on the machine hits them alike), algbw = size / time and
-busbw = algbw * 2 (p-1) / p, the bandwidth each link actually carries, comparable across
-rank counts. "auto" is the cost model's choice (shown in brackets), from a model probed
-afresh at the start (--no-refit keeps the cached one); "model us" is its prediction for
-each algorithm. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
+For each size (bytes of float32) and algorithm: time of one allreduce, the median over
+interleaved rounds of the slowest rank's time after a warm-up (each round runs every
+algorithm once, auto included, in an order shuffled per round with a seed every rank
+shares: costmodel.time_rounds, as the cost model's probe measures), its spread (the
+interquartile range over the median), algbw = size / time and busbw = algbw * 2 (p-1) / p,
+the bandwidth each link actually carries, comparable across rank counts. "auto" is the cost
+model's choice (shown in brackets); its dispatch cost (the decision lookup alone, and the
+whole argument check against an explicit algorithm's) is timed separately and printed in
+the header. The model is probed afresh at the start (--no-refit keeps the cached one;
+--calibrate probes at exactly this sweep's sizes and repetitions, a first independent
+sweep); "model us" is its prediction for each algorithm, "error" its distance to this
+sweep's median. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
 the issue. Every call goes through the public allreduce() and its result is checked.
 Writes allreduce.csv, allreduce.json and allreduce.png under --out (rank 0).
 """
@@ -59,14 +65,19 @@ def _parse(argv):
     every = ["native", "textbook", *(a for a in ALGORITHMS if a != "native"), "auto"]
     p.add_argument("--algorithms", default=",".join(every),
                    help=f"algorithms to run (default: {','.join(every)})")
-    p.add_argument("--reps", type=int, default=20,
-                   help="timed repetitions per point at most (fewer for large sizes)")
+    p.add_argument("--reps", type=int, default=50,
+                   help="timed rounds per size at most (fewer for large sizes, at least 3)")
     p.add_argument("--seconds", type=float, default=1.0,
-                   help="time budget per point (size x algorithm), which caps the repetitions")
+                   help="time budget per point (size x algorithm), which caps the rounds")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the shuffled order within each round (rank 0's is used)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="simulate nodes of this many ranks (default: real topology)")
     p.add_argument("--no-refit", dest="refit", action="store_false",
                    help="use the cached cost model instead of probing this machine afresh")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the cost model from a first sweep of these sizes (not cached) "
+                        "and report its error on the second, timed sweep")
     p.add_argument("--out", default=os.path.join("results", "bench", "allreduce"),
                    help="output directory")
     args = p.parse_args(argv)
@@ -83,39 +94,58 @@ def _parse(argv):
     return args
 
 
-def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float):
-    """{algorithm: (median seconds, result ok)} and the repetitions, for one size.
+MIN_ROUNDS = 3
 
-    After one checked warm-up call each, the algorithms take turns, repetition by
-    repetition, so a burst of other load on the machine hits them alike. Repetitions are
-    capped so the size takes about `seconds` per algorithm."""
+
+def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed: int):
+    """{algorithm: (seconds per round, result ok)} and the rounds, for one size.
+
+    One checked warm-up call each, then interleaved rounds (costmodel.time_rounds), as
+    many as fit in about `seconds` per algorithm, at least MIN_ROUNDS, at most reps."""
     from mpidist.collectives import allreduce
+    from mpidist.collectives.costmodel import time_rounds
 
-    def once(alg):
-        x[...] = 1.0
-        comm.comm.Barrier()
-        t0 = time.perf_counter()
+    def call(alg):
         if alg == "textbook":
-            textbook_ring(comm, x)
-        else:
-            allreduce(x, algorithm=alg, comm=comm)
-        return time.perf_counter() - t0
+            return lambda: textbook_ring(comm, x)
+        return lambda: allreduce(x, algorithm=alg, comm=comm)
 
+    calls = {alg: call(alg) for alg in algorithms}
     first, ok = [], []
-    for alg in algorithms:
-        first.append(once(alg))
+    for alg, fn in calls.items():
+        x[...] = 1.0
+        t0 = time.perf_counter()
+        fn()
+        first.append(time.perf_counter() - t0)
         ok.append(bool(x[0] == comm.size and x[-1] == comm.size))
     first = comm.comm.allreduce(sum(first), op=MPI.MAX)
     ok = np.array(ok, np.int32)
     comm.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)          # checked on every rank
-    n = max(1, min(reps, int(seconds * len(algorithms) / max(first, 1e-9))))
-    m = len(algorithms)
-    times = np.empty((n, m))
-    for i in range(n):                  # the order rotates, so none always follows another
-        for j in [(i + k) % m for k in range(m)]:
-            times[i, j] = once(algorithms[j])
-    comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return {a: (float(np.median(times[:, j])), bool(ok[j])) for j, a in enumerate(algorithms)}, n
+    n = max(MIN_ROUNDS, min(reps, int(seconds * len(algorithms) / max(first, 1e-9))))
+    times = time_rounds(comm, calls, n, seed=seed, setup=lambda: x.fill(1.0))
+    return {a: (times[a], bool(ok[j])) for j, a in enumerate(algorithms)}, n
+
+
+def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:
+    """Seconds per call, slowest rank, of auto's decision lookup (select.choose) and of
+    the whole argument check with "auto" and with "native" (prepare_allreduce)."""
+    from mpidist.collectives.core import prepare_allreduce
+    from mpidist.collectives.select import choose
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    probes = {"choose": lambda: choose(comm, nbytes),
+              "prepare_auto": lambda: prepare_allreduce(comm, x, "sum", "auto", None),
+              "prepare_native": lambda: prepare_allreduce(comm, x, "sum", "native", None)}
+    out = {}
+    for name, fn in probes.items():
+        fn()                                   # the guard sees the signature once
+        best = np.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls)
+        out[name] = comm.comm.allreduce(best, op=MPI.MAX)
+    return out
 
 
 def _plot(rows, path: str, title: str) -> None:
@@ -145,37 +175,55 @@ def _plot(rows, path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpidist.collectives.costmodel import get_model
+    from mpidist.collectives import costmodel
     from mpidist.collectives.select import format_size
     from mpidist.comm import Communicator, mpi_library
     args = _parse(argv)
     c = Communicator(ranks_per_node=args.ranks_per_node)
     p = c.size
-    model = get_model(c, refit=args.refit)        # probed now: auto fits this machine's state
+    seed = c.comm.bcast(args.seed, root=0)
+    load = os.getloadavg()[0]
+    if args.calibrate:              # sweep 1: the model's samples, never this run's report
+        model = costmodel.probe(c, sizes=args.sizes, seconds=float("inf"))
+        costmodel.install(c, model)
+        how = "calibrated on a first sweep of these sizes"
+    else:
+        model = costmodel.get_model(c, refit=args.refit)
+        how = "probed afresh" if args.refit else "cached"
+    cond = model.levels["world"].get("conditions", {})
+    probed = (f"cost model {how} (load {cond['load_before']:.1f}, {cond['seconds']:.0f} s, "
+              f"sizes to {format_size(cond['sizes'][-1])})") if cond else f"cost model {how}"
+    dispatch = _dispatch_cost(c, 4096)
     library = "".join(ch for ch in mpi_library() if ch.isprintable())
     header = (f"mpidist bench allreduce: {library}; {c.describe()}; float32; "
-              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+              f"load average {load:.1f} on {os.cpu_count()} cores; {probed}; auto dispatch "
+              f"{dispatch['choose'] * 1e9:.0f} ns lookup, "
+              f"{(dispatch['prepare_auto'] - dispatch['prepare_native']) * 1e9:+.0f} ns "
+              f"vs an explicit algorithm's argument check")
     if c.rank == 0:
         print(header)
-        print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'algbw GB/s':>11} "
+        print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'spread':>7} {'algbw GB/s':>11} "
               f"{'busbw GB/s':>11} {'vs native':>9} {'model us':>10} {'error':>6} {'reps':>5} "
               f"{'check':>5}", flush=True)
     rows = []
-    for nbytes in args.sizes:
+    for k, nbytes in enumerate(args.sizes):
         x = np.ones(nbytes // 4, np.float32)
         native_bw = None
-        timed, n = _time_size(c, args.algorithms, x, args.reps, args.seconds)
+        timed, n = _time_size(c, args.algorithms, x, args.reps, args.seconds, seed + k)
         if "native" in timed:
-            t = timed["native"][0]
+            t = float(np.median(timed["native"][0]))
             native_bw = x.nbytes / t / 1e9 * (2 * (p - 1) / p if p > 1 else 1)
         for alg in args.algorithms:
-            t, ok = timed[alg]
+            samples, ok = timed[alg]
+            t = float(np.median(samples))
+            q1, q3 = np.percentile(samples, [25, 75])
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
             pick = model.choose(x.nbytes) if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
             pred = model.predict(pick, x.nbytes) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
+                   "p25_us": q1 * 1e6, "p75_us": q3 * 1e6, "spread": (q3 - q1) / t,
                    "algbw_GBps": algbw, "busbw_GBps": busbw, "reps": n, "ok": ok,
                    "vs_native": busbw / native_bw if native_bw else None,
                    "model_us": pred * 1e6 if pred is not None else None,
@@ -185,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 vs = f"{row['vs_native']:.2f}x" if row["vs_native"] else "-"
                 mod = f"{pred * 1e6:10.1f} {row['model_error']:+6.0%}" if pred is not None \
                     else f"{'-':>10} {'-':>6}"
-                print(f"{format_size(x.nbytes):>8} {label:>26} {t * 1e6:12.1f} {algbw:11.3f} "
-                      f"{busbw:11.3f} {vs:>9} {mod} {n:5d} {'ok' if ok else 'WRONG':>5}",
-                      flush=True)
+                print(f"{format_size(x.nbytes):>8} {label:>26} {t * 1e6:12.1f} "
+                      f"{row['spread']:6.0%} {algbw:11.3f} {busbw:11.3f} {vs:>9} {mod} "
+                      f"{n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
         del x
     if c.rank == 0:
         _summary(rows, p)
@@ -198,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             w.writeheader()
             w.writerows(rows)
         with open(base + ".json", "w") as f:
-            json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "rows": rows}, f,
+            json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
+                       "load_before": load, "load_after": os.getloadavg()[0],
+                       "dispatch_s": dispatch, "model": model.to_json(), "rows": rows}, f,
                       indent=1)
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")
@@ -236,3 +286,20 @@ def _summary(rows, p: int) -> None:
             top = min((by[s, a] for a in own if (s, a) in by), key=lambda r: r["time_us"])
             line += f"; vs textbook {by[s, 'textbook']['time_us'] / top['time_us']:.2f}x"
         print(line)
+    if (4096, "native") in by:
+        ratios = ", ".join(f"{a} {by[4096, a]['time_us'] / by[4096, 'native']['time_us']:.2f}x"
+                           for a in own if (4096, a) in by)
+        print(f"  4 KiB latency vs native (target <= 3x): {ratios}")
+    autos = [(by[s, "auto"]["time_us"] / min(by[s, a]["time_us"] for a in own + ["native"]
+                                             if (s, a) in by), s)
+             for s in sizes if (s, "auto") in by and any((s, a) in by for a in own + ["native"])]
+    if autos:
+        worst = max(autos)
+        print(f"  auto vs best (target <= 1.10x): worst {worst[0]:.2f}x at {worst[1]} B")
+    errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in rows
+            if r["bytes"] >= (64 << 10) and r["model_error"] is not None
+            and r["algorithm"] in own + ["native"]]
+    if errs:
+        worst = max(errs)
+        print(f"  model error at >= 64 KiB (target <= 25%): worst {worst[0]:.0%} "
+              f"({worst[1]} at {worst[2]} B), median {np.median([e[0] for e in errs]):.0%}")

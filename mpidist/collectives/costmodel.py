@@ -8,24 +8,26 @@ and gamma of a byte reduced.
 Fitted per link level by a short probe: "world" is the communicator itself, "intra" its
 node communicator and "inter" the communicator across nodes. gamma is timed directly (an
 in-place ufunc over a buffer larger than the caches). alpha and beta are fitted per
-algorithm by least squares over a few message sizes (relative error), because the MPI
-library's C collectives and mpidist's Python-driven segmented steps pay very different
-fixed costs per step. Memory behaves differently in and out of the caches, so besides the
-fit over all sizes ("fits") each algorithm gets a piecewise fit ("pieces"): one (alpha,
-beta) per size range between the cache breakpoints BREAKS, each fitted from the probe
-points in its range (both ends included), and predictions use the piece holding the size.
-Probe sizes reach 32 MiB so the ranges where the choice matters are measured, not
-extrapolated; the probe stops early when it runs past PROBE_SECONDS per level. The native
-MPI_Allreduce, whose internal algorithm is the library's choice, is modelled as one step
-moving n. The hierarchical algorithm is predicted by composing the ring's intra-node and
-inter-node fits. The shared-memory algorithm is a candidate only on a communicator within
-one node.
+algorithm, because the MPI library's C collectives and mpidist's Python-driven steps pay
+very different fixed costs per step, and per size range, because memory behaves
+differently in and out of the caches: the probe times the sizes the model is used at
+(PROBE_SIZES, the benchmark's sweep) and each range between two neighbouring probe sizes
+gets its own (alpha, beta) through its two end points ("pieces"; below the first and past
+the last size the nearest piece extends). "fits" holds one least-squares fit over all
+sizes, for display. The native MPI_Allreduce, whose internal algorithm is the library's
+choice, is modelled as one step moving n. The hierarchical algorithm is predicted by
+composing the ring's intra-node and inter-node fits. The shared-memory algorithm is a
+candidate only on a communicator within one node.
 
-Every timing is the median over repetitions (as the benchmark reports) of the maximum over
-ranks, and rank 0 broadcasts the fitted model, so every rank holds the same numbers and
-"auto" picks the same algorithm everywhere. Models are cached as JSON under
-~/.cache/mpidist/ (env MPIDIST_CACHE_DIR), keyed by the hosts, the rank layout, the MPI
-library and the segment size; delete the file (or pass refit) to probe again.
+Timings are taken the way the benchmark takes them (`time_rounds`): every call goes
+through the public allreduce(), the algorithms run in interleaved rounds in an order
+shuffled per round (the same on every rank), and a point is the median over rounds of the
+slowest rank's time. The probe stops at the first size that would run it past
+PROBE_SECONDS per level; the sizes probed, the load average and the time taken are stored
+with the model ("conditions"). Rank 0 broadcasts the fitted model, so every rank holds the
+same numbers and "auto" picks the same algorithm everywhere. Models are cached as JSON
+under ~/.cache/mpidist/ (env MPIDIST_CACHE_DIR), keyed by the hosts, the rank layout, the
+MPI library and the segment size; delete the file (or pass refit) to probe again.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import socket
 import tempfile
 import threading
@@ -49,12 +52,12 @@ from mpidist.collectives.ops import get_op
 from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.ring import segment_bytes
 
-__all__ = ["CostModel", "coefficients", "measure", "measure_all", "get_model", "probe",
-           "PROBE_SIZES", "BREAKS", "cache_path"]
+__all__ = ["CostModel", "coefficients", "round_order", "time_rounds", "measure",
+           "measure_all", "get_model", "install", "probe", "PROBE_SIZES", "cache_path"]
 
-PROBE_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
-BREAKS = (256 << 10, 4 << 20)      # the piecewise fit's ranges: in cache, in L3, in memory
-PROBE_SECONDS = 4.0                # per level: larger sizes are left out past this
+PROBE_SIZES = (8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
+               64 << 20, 256 << 20)
+PROBE_SECONDS = 10.0               # per level: larger sizes are left out past this
 FLAT = ("ring", "tree", "dbtree", "recursive_doubling", "rabenseifner", "shm", "native")
 
 
@@ -86,26 +89,45 @@ def coefficients(algorithm: str, p: int) -> tuple[float, float, float]:
     raise ValueError(f"no cost formula for algorithm {algorithm!r}")
 
 
-def measure_all(comm, algorithms, nbytes: int, reps: int = 3,
-                dtype=np.float32) -> dict[str, float]:
-    """Median over reps of the slowest rank's time (seconds) for one allreduce of nbytes,
-    per algorithm. The algorithms take turns within each repetition, so a burst of other
-    load hits them alike; the median, as the benchmark reports, so the model predicts
-    what a run typically takes."""
-    x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
-    op = get_op("sum")
-    fns = [ALGORITHMS[a] for a in algorithms]
-    for fn in fns:
-        fn(comm, x, x, op)                               # warm-up: scratch, windows
-    times = np.empty((reps, len(fns)))
+def round_order(m: int, round_index: int, seed: int) -> list[int]:
+    """The order in which m timed calls run in one round: a permutation shuffled by
+    (seed, round), the same on every rank that passes the same seed."""
+    order = list(range(m))
+    random.Random(seed * 1_000_003 + round_index).shuffle(order)
+    return order
+
+
+def time_rounds(comm, calls: dict, reps: int, *, seed: int = 0, setup=None) -> dict:
+    """{name: seconds per round (array of reps)}: each round runs every call once, in the
+    round_order of that round, each after a barrier, and keeps the slowest rank's time.
+    Shuffled rounds mean no call is always timed right after another (a call right after
+    the shared-memory algorithm runs slower, for one) and a burst of load hits all alike.
+    setup(), if given, runs before each call, untimed."""
+    names = list(calls)
+    times = np.empty((reps, len(names)))
     for i in range(reps):
-        for j, fn in enumerate(fns):
+        for j in round_order(len(names), i, seed):
+            if setup is not None:
+                setup()
             comm.comm.Barrier()
             t0 = time.perf_counter()
-            fn(comm, x, x, op)
+            calls[names[j]]()
             times[i, j] = time.perf_counter() - t0
     comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
-    return {a: float(t) for a, t in zip(algorithms, np.median(times, axis=0))}
+    return {a: times[:, j] for j, a in enumerate(names)}
+
+
+def measure_all(comm, algorithms, nbytes: int, reps: int = 3, dtype=np.float32,
+                seed: int = 0) -> dict[str, float]:
+    """Median over reps interleaved rounds (time_rounds) of the slowest rank's seconds for
+    one public allreduce() of nbytes, per algorithm, after one warm-up call each."""
+    from mpidist.collectives.core import allreduce
+    x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
+    calls = {a: (lambda a=a: allreduce(x, algorithm=a, comm=comm)) for a in algorithms}
+    for call in calls.values():
+        call()                                           # warm-up: scratch, windows
+    times = time_rounds(comm, calls, reps, seed=seed, setup=lambda: x.fill(1))
+    return {a: float(np.median(t)) for a, t in times.items()}
 
 
 def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) -> float:
@@ -115,7 +137,7 @@ def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) 
 
 def _reps(nbytes: int) -> int:
     """Probe repetitions: more where a run is cheap and noisy."""
-    return 7 if nbytes <= (64 << 10) else 5 if nbytes <= (1 << 20) else 3
+    return 15 if nbytes <= (256 << 10) else 7 if nbytes <= (4 << 20) else 5
 
 
 def _time_gamma(comm) -> float:
@@ -147,26 +169,17 @@ def _fit(algorithm: str, p: int, gamma: float, sizes, times) -> tuple[float, flo
 
 
 def _pieces(algorithm: str, p: int, gamma: float, sizes, times) -> list[list[float]]:
-    """[[upto, alpha, beta], ...]: a fit per range between BREAKS from the points in it
-    (ends included); a range with fewer than two points is covered by the piece before."""
-    bounds = [b for b in BREAKS if b < sizes[-1]] + [sizes[-1]]
-    pieces, lo = [], 0
-    for hi in bounds:
-        idx = [i for i, n in enumerate(sizes) if lo <= n <= hi]
-        if len(idx) >= 2:
-            fit = _fit(algorithm, p, gamma, [sizes[i] for i in idx], [times[i] for i in idx])
-            pieces.append([hi, *fit])
-            lo = hi
-        elif pieces:
-            pieces[-1][0] = hi
-    return pieces
+    """[[upto, alpha, beta], ...]: one fit per range between neighbouring probe sizes,
+    through its two end points; upto is the range's upper end."""
+    return [[sizes[i], *_fit(algorithm, p, gamma, sizes[i - 1:i + 1], times[i - 1:i + 1])]
+            for i in range(1, len(sizes))]
 
 
 class CostModel:
     """Fitted levels: {"world"|"intra"|"inter": {"p", "gamma", "fits": {alg: [alpha, beta]},
-    "pieces": {alg: [[upto, alpha, beta], ...]}, "samples": {alg: [[nbytes, seconds], ...]}}}
-    plus the node shape (nodes, per_node). "pieces" (optional) wins over "fits": the
-    first piece whose upto >= nbytes, the last one beyond."""
+    "pieces": {alg: [[upto, alpha, beta], ...]}, "samples": {alg: [[nbytes, seconds], ...]},
+    "conditions": {...}}} plus the node shape (nodes, per_node). "pieces" (optional) wins
+    over "fits": the first piece whose upto >= nbytes, the last one beyond."""
 
     def __init__(self, levels: dict, nodes: int, per_node: int):
         self.levels, self.nodes, self.per_node = levels, nodes, per_node
@@ -217,9 +230,10 @@ class CostModel:
         return cls(d["levels"], d["nodes"], d["per_node"])
 
 
-def _probe_level(comm, algorithms, sizes, reps: int | None) -> dict:
+def _probe_level(comm, algorithms, sizes, reps: int | None, seconds: float) -> dict:
     """Time every algorithm at the sizes (ascending), leaving out the larger ones once the
-    next would run past PROBE_SECONDS (judged by the slowest rank, so all ranks agree)."""
+    next would run past `seconds` (judged by the slowest rank, so all ranks agree)."""
+    load = os.getloadavg()[0]
     gamma = _time_gamma(comm)
     sizes = sorted(sizes)
     by_size, t0, last = {}, time.perf_counter(), None
@@ -228,10 +242,10 @@ def _probe_level(comm, algorithms, sizes, reps: int | None) -> dict:
             clock = np.array([time.perf_counter() - t0, last[1]])
             comm.comm.Allreduce(MPI.IN_PLACE, clock, MPI.MAX)
             spent, cost = clock
-            if len(by_size) >= 2 and spent + cost * s / last[0] > PROBE_SECONDS:
+            if len(by_size) >= 2 and spent + cost * s / last[0] > seconds:
                 break
         t1 = time.perf_counter()
-        by_size[s] = measure_all(comm, algorithms, s, reps or _reps(s))
+        by_size[s] = measure_all(comm, algorithms, s, reps or _reps(s), seed=len(by_size))
         last = (s, time.perf_counter() - t1)
     sizes = sorted(by_size)
     fits, pieces, samples = {}, {}, {}
@@ -240,20 +254,26 @@ def _probe_level(comm, algorithms, sizes, reps: int | None) -> dict:
         samples[alg] = [[s, t] for s, t in zip(sizes, times)]
         fits[alg] = list(_fit(alg, comm.size, gamma, sizes, times))
         pieces[alg] = _pieces(alg, comm.size, gamma, sizes, times)
+    conditions = {"sizes": sizes, "seconds": round(time.perf_counter() - t0, 2),
+                  "load_before": load, "load_after": os.getloadavg()[0],
+                  "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    conditions = comm.comm.bcast(conditions, root=0)        # rank 0's clock and load
     return {"p": comm.size, "gamma": gamma, "fits": fits, "pieces": pieces,
-            "samples": samples}
+            "samples": samples, "conditions": conditions}
 
 
-def probe(comm, sizes=PROBE_SIZES, reps: int | None = None) -> CostModel:
-    """Collective: time every algorithm on comm (and the ring per link level) and fit."""
+def probe(comm, sizes=PROBE_SIZES, reps: int | None = None,
+          seconds: float = PROBE_SECONDS) -> CostModel:
+    """Collective: time every algorithm on comm (and the ring per link level) and fit;
+    at most about `seconds` per level (larger sizes are then extrapolated)."""
     levels = {"world": {"p": 1, "gamma": 0.0, "fits": {}, "samples": {}}}
     if comm.size > 1:
         flat = [a for a in FLAT if a != "shm" or shm.usable(comm)]
-        levels["world"] = _probe_level(comm, flat, sizes, reps)
+        levels["world"] = _probe_level(comm, flat, sizes, reps, seconds)
     hier = comm.uniform_nodes and comm.num_nodes > 1 and comm.local_size > 1
     if hier:
-        intra = _probe_level(comm.node_comm, ["ring"], sizes, reps)
-        inter = _probe_level(comm.inter_comm, ["ring"], sizes, reps)
+        intra = _probe_level(comm.node_comm, ["ring"], sizes, reps, seconds)
+        inter = _probe_level(comm.inter_comm, ["ring"], sizes, reps, seconds)
         # every rank of a level measured the same thing; take rank 0's node and local index
         levels["intra"] = comm.comm.bcast(intra, root=0)
         levels["inter"] = comm.comm.bcast(inter, root=0)
@@ -265,7 +285,7 @@ def cache_path(comm) -> str:
     hosts = sorted(set(comm.comm.allgather(socket.gethostname())))
     ident = json.dumps([hosts, comm.size, getattr(comm, "node_sizes", [comm.size]),
                         MPI.Get_library_version().strip().splitlines()[0], mpidist.__version__,
-                        segment_bytes(), PROBE_SIZES, BREAKS])
+                        segment_bytes(), PROBE_SIZES, "pieces between probe sizes"])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("MPIDIST_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "mpidist")
@@ -308,6 +328,15 @@ def get_model(comm, refit: bool = False) -> CostModel:
         _by_path[path] = model
     _last = (comm, model)
     return model
+
+
+def install(comm, model: CostModel) -> None:
+    """Make `model` the one "auto" uses on comm in this process (the cache file is left
+    alone); every rank must install the same model."""
+    global _last
+    with _lock:
+        _models[comm] = model
+    _last = (comm, model)
 
 
 def _read(path: str):

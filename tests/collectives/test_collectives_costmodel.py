@@ -29,9 +29,10 @@ def test_fit_recovers_alpha_and_beta():
     assert math.isclose(fa, alpha, rel_tol=1e-6) and math.isclose(fb, beta, rel_tol=1e-6)
 
 
-def test_pieces_fit_each_cache_range():
-    """Bytes dearer above 4 MiB (out of cache; continuous at the break): each range's piece
-    recovers its own (alpha, beta), and predictions use the piece holding the size."""
+def test_pieces_run_through_the_probe_points():
+    """Bytes dearer above 4 MiB (out of cache; continuous at the break): each range between
+    neighbouring probe sizes gets its own (alpha, beta), predictions hit every probe
+    point, and sizes past the last point follow the last piece."""
     p, gamma, brk = 4, 0.1e-9, 4 << 20
     a, b, g = coefficients("ring", p)
     near = (200e-6, 0.5e-9)
@@ -42,14 +43,43 @@ def test_pieces_fit_each_cache_range():
         al, be = near if n <= brk else far
         return a * al + b * n * be + g * n * gamma
 
-    pieces = costmodel._pieces("ring", p, gamma, sizes, [cost(n) for n in sizes])
-    assert [pc[0] for pc in pieces] == [*costmodel.BREAKS, sizes[-1]]
-    for pc, (al, be) in zip(pieces, [near, near, far]):
+    times = [cost(n) for n in sizes]
+    pieces = costmodel._pieces("ring", p, gamma, sizes, times)
+    assert [pc[0] for pc in pieces] == sizes[1:]
+    for pc in pieces:
+        al, be = near if pc[0] <= brk else far
         assert math.isclose(pc[1], al, rel_tol=1e-6) and math.isclose(pc[2], be, rel_tol=1e-6)
     m = CostModel({"world": {"p": p, "gamma": gamma, "fits": {"ring": [0.0, 0.0]},
                              "pieces": {"ring": pieces}}}, 1, 1)
-    for n in (8, 1 << 20, 64 << 20):
+    for n in sizes + [1 << 30]:
         assert math.isclose(m.predict("ring", n), cost(n))
+
+
+def test_round_order_is_shuffled_and_agreed():
+    """Every round runs every call once; the orders are reproducible from the seed (so
+    every rank runs the same one) and no call always follows the same other call."""
+    m, rounds = 6, 40
+    orders = [costmodel.round_order(m, i, seed=3) for i in range(rounds)]
+    assert all(sorted(o) == list(range(m)) for o in orders)
+    assert orders == [costmodel.round_order(m, i, seed=3) for i in range(rounds)]
+    assert orders != [costmodel.round_order(m, i, seed=4) for i in range(rounds)]
+    for k in range(m):
+        before = {o[o.index(k) - 1] for o in orders if o.index(k) > 0}
+        assert len(before) > 1, f"call {k} always timed after call {before}"
+
+
+def test_time_rounds_times_every_call(comm):
+    counts = {"a": 0, "b": 0}
+
+    def bump(name):
+        counts[name] += 1
+
+    times = costmodel.time_rounds(comm, {n: (lambda n=n: bump(n)) for n in counts}, 5, seed=1)
+    assert counts == {"a": 5, "b": 5}
+    assert set(times) == {"a", "b"} and all(t.shape == (5,) and (t >= 0).all()
+                                            for t in times.values())
+    texts = comm.comm.allgather(times["a"].tobytes())
+    assert len(set(texts)) == 1                      # the slowest rank's time, everywhere
 
 
 def _model(p=4, nodes=1, per_node=1):
@@ -89,6 +119,9 @@ def test_probe_agrees_on_every_rank(comm):
         expect = set(costmodel.FLAT) - ({"shm"} if comm.num_nodes > 1 else set())
         assert set(fits) == expect and all(a >= 0 and b >= 0 for a, b in fits.values())
         assert m.choose(1 << 10) in m.candidates()
+        cond = m.levels["world"]["conditions"]
+        assert cond["sizes"] == [1 << 10, 16 << 10] and cond["seconds"] >= 0
+        assert {"load_before", "load_after", "when"} <= set(cond)
 
 
 @pytest.fixture
