@@ -239,12 +239,8 @@ class CompressedAllreduce:
         if algorithm not in _ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(_ALGORITHMS)}, "
                              f"got {algorithm!r}")
-        agg = compressor.aggregation
-        algorithm = agg if algorithm == "auto" else algorithm
-        if algorithm != agg and not (algorithm == "ring" and agg == "gather") and \
-                not (algorithm == "gather" and agg == "ring"):
-            raise ValueError(f"compressor {compressor.name!r} aggregates by {agg!r}; "
-                             f"algorithm {algorithm!r} does not apply (use 'auto')")
+        algorithm = compressor.aggregation if algorithm == "auto" else algorithm
+        compressor.check_algorithm(algorithm)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
                 or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")

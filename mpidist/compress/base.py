@@ -123,13 +123,26 @@ class Compressor:
         r -= self.decompress(payload, ctx)
         return r
 
+    def check_algorithm(self, algorithm: str) -> None:
+        """ValueError unless the compressed allreduce may combine payloads by `algorithm`:
+        the compressor's own aggregation, or ring <-> gather (re-encoded partial sums)."""
+        agg = self.aggregation
+        if algorithm != agg and {algorithm, agg} != {"gather", "ring"}:
+            raise ValueError(f"compressor {self.name!r} aggregates by {agg!r}; "
+                             f"algorithm {algorithm!r} does not apply (use 'auto')")
+
     @staticmethod
     def payload_nbytes(payload) -> int:
         return int(sum(a.nbytes for a in payload))
 
     # ---------------------------------------------------------------- error feedback
     def _begin(self, x, layout):
-        """Validate x, and add the residual (a new array: x itself is never modified)."""
+        """Validate x; return what to encode: x plus the residual with error feedback
+        (a new array: x itself is never modified)."""
+        return self._accumulate(self._check(x, layout))
+
+    def _check(self, x, layout):
+        """x as a contiguous 1-D float32 finite gradient, or an error saying what is wrong."""
         xp = get_array_module(x)
         if not hasattr(x, "ndim") or x.ndim != 1:
             raise ValueError(f"{self.name}: compress takes a 1-D (flat) gradient, got "
@@ -145,17 +158,28 @@ class Compressor:
             raise ValueError(f"{self.name}: the gradient holds inf or NaN; nothing was "
                              f"compressed and the residual is unchanged (skip this step or "
                              f"lower the loss scale)")
+        return x
+
+    def _accumulate(self, x):
+        """x + e with error feedback (e: the residual, made on first use), else x."""
         if not self.error_feedback:
             return x
-        if self.residual is None or self.residual.shape != x.shape:
-            if self.residual is not None and self.step:
-                raise ValueError(f"{self.name}: gradient length changed from "
-                                 f"{self.residual.shape[0]} to {x.shape[0]}; one compressor "
-                                 f"serves one flat buffer (make one per buffer)")
-            self.residual = xp.zeros_like(x)
-        elif get_array_module(self.residual) is not xp:
-            self.residual = xp.asarray(self.residual)      # loaded from a host checkpoint
+        self.residual = self._state_like(self.residual, x)
         return x + self.residual
+
+    def _state_like(self, state, x):
+        """A per-element state array for gradients like x: zeros on first use, moved to
+        x's device after a host checkpoint load; an error if the length changed."""
+        xp = get_array_module(x)
+        if state is None or state.shape != x.shape:
+            if state is not None and self.step:
+                raise ValueError(f"{self.name}: gradient length changed from "
+                                 f"{state.shape[0]} to {x.shape[0]}; one compressor "
+                                 f"serves one flat buffer (make one per buffer)")
+            return xp.zeros_like(x)
+        if get_array_module(state) is not xp:
+            return xp.asarray(state)      # loaded from a host checkpoint
+        return state
 
     def _end(self, x, payload, ctx) -> None:
         if self.error_feedback:

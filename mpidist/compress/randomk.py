@@ -12,26 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.compress.base import Compressor, check_ratio, kept_count, kernels_for, step_seed
+from mpidist.compress.base import kernels_for, step_seed
+from mpidist.compress.sparse import Sparsifier
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["RandomK"]
 
 
-class RandomK(Compressor):
-    """k stratified random entries (the same on every rank), with error feedback."""
+class RandomK(Sparsifier):
+    """k stratified random entries (the same on every rank), with error feedback; warm-up,
+    momentum correction and clipping as in mpidist.compress.sparse."""
     name = "randomk"
     aggregation = "linear"
-
-    def __init__(self, ratio: float = 0.01, *, error_feedback: bool = True, seed: int = 0):
-        super().__init__(error_feedback=error_feedback, seed=seed)
-        self.ratio = check_ratio(ratio)
-
-    def config(self) -> dict:
-        return {**super().config(), "ratio": self.ratio}
-
-    def k_of(self, n: int) -> int:
-        return kept_count(self.ratio, n)
 
     def encode(self, x, layout):
         n = x.shape[0]
@@ -45,10 +37,8 @@ class RandomK(Compressor):
     def decode_add(self, payload, ctx, out) -> None:
         out[ctx["idx"]] += payload[0]     # strata make the indices distinct
 
-    def residual_of(self, x, payload, ctx):
-        r = x.copy()
-        r[ctx["idx"]] = 0
-        return r
+    def sent_indices(self, payload, ctx):
+        return ctx["idx"]
 
     def reduce(self, x, layout, allreduce_sum):
         """Sum over ranks of C_i(x_i): compress locally, sum the values, scatter once."""

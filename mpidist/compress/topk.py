@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from mpidist.compress.base import Compressor, check_ratio, kept_count, kernels_for, step_seed
+from mpidist.compress.base import kernels_for, step_seed
+from mpidist.compress.sparse import Sparsifier
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["TopK"]
@@ -83,24 +84,24 @@ def _topk_gpu(x, k: int, method: str, seed: int):
     return idx, x[idx]
 
 
-class TopK(Compressor):
-    """The k largest-magnitude entries, with error feedback (on by default)."""
+class TopK(Sparsifier):
+    """The k largest-magnitude entries, with error feedback (on by default); warm-up,
+    momentum correction and clipping as in mpidist.compress.sparse."""
     name = "topk"
     aggregation = "gather"
 
-    def __init__(self, ratio: float = 0.01, *, method: str = "exact",
-                 error_feedback: bool = True, seed: int = 0):
-        super().__init__(error_feedback=error_feedback, seed=seed)
-        self.ratio = check_ratio(ratio)
+    def __init__(self, ratio: float = 0.01, *, method: str = "exact", warmup=(),
+                 momentum: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: float | None = None, error_feedback: bool = True, seed: int = 0):
+        super().__init__(ratio, warmup=warmup, momentum=momentum,
+                         momentum_masking=momentum_masking, clip_norm=clip_norm,
+                         error_feedback=error_feedback, seed=seed)
         if method not in _METHODS:
             raise ValueError(f"top-k method must be one of {', '.join(_METHODS)}, got {method!r}")
         self.method = method
 
     def config(self) -> dict:
-        return {**super().config(), "ratio": self.ratio, "method": self.method}
-
-    def k_of(self, n: int) -> int:
-        return kept_count(self.ratio, n)
+        return {**super().config(), "method": self.method}
 
     def encode(self, x, layout):
         n = x.shape[0]
@@ -120,8 +121,5 @@ class TopK(Compressor):
         else:
             out[idx] += vals     # indices within one payload are distinct
 
-    def residual_of(self, x, payload, ctx):
-        """x with the sent entries zeroed (exactly x - decompress(payload))."""
-        r = x.copy()
-        r[payload[1]] = 0
-        return r
+    def sent_indices(self, payload, ctx):
+        return payload[1]
