@@ -105,6 +105,12 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                   "{levels = 15} (qsgd), {rank = 2} (powersgd)"),
         "compression_warmup": _f(int, 0, "first optimizer steps whose gradients go uncompressed "
                                  "(float32)", **_nonneg),
+        "compression_allreduce": _f(str, "auto", "how compressed payloads combine: auto (the "
+                                    "format's own: gather for topk, sign, qsgd; ring for fp16, "
+                                    "bf16; linear for randomk, powersgd) | gather (allgather every "
+                                    "payload, exact sum) | ring (re-encoded partial sums, "
+                                    "2(p-1)/p payloads sent at any p) | linear",
+                                    choices=("auto", "gather", "ring", "linear")),
         "accumulation": _f(int, 1, "micro-steps accumulated per optimizer step", **_pos),
         "stage": _f(int, 1, "zero: ZeRO stage", choices=(1, 2, 3)),
         "dtype": _f(str, "float32", "zero: parameter and gradient dtype (fp32 masters in the optimizer)",
@@ -238,9 +244,11 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
         errors += found or _check_compressor(cfg["parallel"])
     else:
         errors += [f"[parallel] {key} needs compression = '<name>'"
-                   for key in ("compression_options", "compression_warmup") if key in given_keys["parallel"]]
+                   for key in ("compression_options", "compression_warmup", "compression_allreduce")
+                   if key in given_keys["parallel"]]
     errors += support_errors(cfg["parallel"])
-    errors += _check_optimizer(cfg["optim"])
+    found = _check_optimizer(cfg["optim"])
+    errors += found or _check_momentum(cfg)
     if not errors:
         errors += _check_model(cfg)
 
@@ -279,9 +287,32 @@ def _check_compressor(p: dict) -> list[str]:
     if not isinstance(p["compression_options"], dict):
         return []
     try:
-        make_compressor(p["compression"], **p["compression_options"])
+        c = make_compressor(p["compression"], **p["compression_options"])
     except (TypeError, ValueError) as exc:
         return [f"[parallel] compression_options: {exc}"]
+    algorithm = p["compression_allreduce"]
+    try:
+        c.check_algorithm(c.aggregation if algorithm == "auto" else algorithm)
+    except ValueError as exc:
+        return [f"[parallel] compression_allreduce = {algorithm!r}: {exc}"]
+    return []
+
+
+def _check_momentum(cfg: dict) -> list[str]:
+    """Momentum correction (compression_options.momentum) replaces the optimizer's own
+    momentum (SGD, LARS): both at once would apply momentum twice."""
+    p, o = cfg["parallel"], cfg["optim"]
+    options = p["compression_options"] if isinstance(p["compression_options"], dict) else {}
+    m = options.get("momentum", 0)
+    if p["compression"] == "none" or isinstance(m, bool) or not isinstance(m, (int, float)) or not m:
+        return []      # no momentum correction, or a bad value _check_compressor reports
+    from mpidist.flat import Layout
+    from mpidist.optim import build_optimizer
+    opt = build_optimizer(o["name"], Layout([("w", (2, 2)), ("b", (2,))]), lr=o["lr"], **o["hyper"])
+    if getattr(opt, "momentum", 0.0) > 0:
+        return [f"[parallel] compression_options.momentum = {options['momentum']} (momentum "
+                f"correction) replaces the optimizer's momentum: set [optim] hyper.momentum = 0 "
+                f"(optimizer {o['name']!r} has momentum {opt.momentum})"]
     return []
 
 

@@ -61,12 +61,15 @@ class DistributedOptimizer:
     compression: None, or a compressor name from mpidist.compress.
     compression_options: the compressor's options (make_compressor(compression, **options)).
     compression_warmup: the first optimizer steps go uncompressed (float32 ring allreduce).
+    compression_allreduce: how compressed payloads combine (CompressedAllreduce's algorithm:
+      "auto", "gather", "ring", "linear").
     broadcast: start from rank 0's parameters and optimizer state (collective, at construction).
     """
 
     def __init__(self, optimizer, params: FlatBuffer, grads: FlatBuffer, *, comm=None, algorithm: str = "auto",
                  bucket_mb: float = 4.0, accumulation: int = 1, op: str = "avg", compression: str | None = None,
-                 broadcast: bool = True, compression_options: dict | None = None, compression_warmup: int = 0):
+                 broadcast: bool = True, compression_options: dict | None = None, compression_warmup: int = 0,
+                 compression_allreduce: str = "auto"):
         if not isinstance(params, FlatBuffer) or not isinstance(grads, FlatBuffer):
             raise TypeError("params and grads must be mpidist.flat.FlatBuffer (see mpidist.nn.materialize), "
                             "or use DistributedOptimizer.for_arrays for plain arrays")
@@ -88,11 +91,14 @@ class DistributedOptimizer:
         self.accumulation = int(accumulation)
         options = dict(compression_options or {})
         self.comm.check_same((self.layout.numel, str(params.dtype), algorithm, op, self.accumulation,
-                              float(bucket_mb), compression, sorted(options.items()), compression_warmup),
+                              float(bucket_mb), compression, sorted(options.items()), compression_warmup,
+                              compression_allreduce),
                              "DistributedOptimizer settings (numel, dtype, algorithm, op, accumulation, "
-                             "bucket_mb, compression, compression_options, compression_warmup)")
+                             "bucket_mb, compression, compression_options, compression_warmup, "
+                             "compression_allreduce)")
         self.compressed = None          # the CompressedAllreduce, when compression is on
-        self.allreduce_async = self._make_allreduce(compression, options, compression_warmup)
+        self.allreduce_async = self._make_allreduce(compression, options, compression_warmup,
+                                                    compression_allreduce)
         self.buckets = make_buckets(self.layout, params.dtype.itemsize, bucket_mb)
         bucket_of = np.empty(len(self.layout), dtype=np.int64)
         for b, (lo, hi) in enumerate(self.buckets):
@@ -108,19 +114,20 @@ class DistributedOptimizer:
         if broadcast:
             self.broadcast_state(root=0)
 
-    def _make_allreduce(self, compression, options, warmup):
+    def _make_allreduce(self, compression, options, warmup, how):
         from mpidist.collectives import allreduce_async
 
         if compression in (None, "none"):
-            if options or warmup:
-                raise ValueError("compression_options and compression_warmup need a compression name")
+            if options or warmup or how != "auto":
+                raise ValueError("compression_options, compression_warmup and compression_allreduce "
+                                 "need a compression name")
             return lambda buf: allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
         from mpidist.compress import CompressedAllreduce, build_compressor
 
         # nonfinite="skip": a NaN/Inf bucket comes back NaN (residuals untouched), so step 2's
         # agreement skips the update; the layout lets PowerSGD see each bucket's matrices
         self.compressed = CompressedAllreduce(build_compressor(compression, **options), self.comm,
-                                              warmup_steps=warmup, nonfinite="skip")
+                                              algorithm=how, warmup_steps=warmup, nonfinite="skip")
         return lambda buf: self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
 
     # ------------------------------------------------------------------ plain arrays

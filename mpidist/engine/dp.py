@@ -18,7 +18,7 @@ __all__ = ["DataParallel"]
 
 class DataParallel(Strategy):
     """[parallel] strategy = "dp": algorithm, bucket_mb, compression (compression_options,
-    compression_warmup), accumulation.
+    compression_warmup, compression_allreduce), accumulation.
 
     The loss is summed over samples and scaled by 1 / (global batch), and gradients are summed
     across ranks: the result is the gradient of the global mean loss whatever the split, so
@@ -43,7 +43,8 @@ class DataParallel(Strategy):
                                          accumulation=p["accumulation"], op="sum",
                                          compression=None if p["compression"] == "none" else p["compression"],
                                          compression_options=p.get("compression_options"),
-                                         compression_warmup=p.get("compression_warmup", 0))
+                                         compression_warmup=p.get("compression_warmup", 0),
+                                         compression_allreduce=p.get("compression_allreduce", "auto"))
         self.dopt.attach(self.model)
         self.loss = SoftmaxCrossEntropy()
         self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1

@@ -220,8 +220,8 @@ def build_optimizer_from_config(config: dict, layout, offset: int = 0, count: in
 
 
 def build_compression(config: dict, comm):
-    """[parallel] compression, compression_options, compression_warmup -> the
-    CompressedAllreduce averaging gradients over comm (collective use), or None when
+    """[parallel] compression, compression_options, compression_warmup, compression_allreduce
+    -> the CompressedAllreduce averaging gradients over comm (collective use), or None when
     compression = "none". nonfinite="skip": an inf/NaN gradient comes back NaN on every rank
     (residuals untouched), so the optimizer step that follows skips everywhere."""
     p = config["parallel"]
@@ -230,8 +230,8 @@ def build_compression(config: dict, comm):
     from mpidist.compress import CompressedAllreduce, make_compressor
 
     compressor = make_compressor(p["compression"], **p.get("compression_options", {}))
-    return CompressedAllreduce(compressor, comm, warmup_steps=p.get("compression_warmup", 0),
-                               nonfinite="skip")
+    return CompressedAllreduce(compressor, comm, algorithm=p.get("compression_allreduce", "auto"),
+                               warmup_steps=p.get("compression_warmup", 0), nonfinite="skip")
 
 
 # ---------------------------------------------------------------------------- the interface
