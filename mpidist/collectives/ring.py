@@ -7,9 +7,10 @@ overlap along the ring. Each rank reduces one chunk completely (its own, chunk `
 the allgather phase then distributes that single copy, so every rank ends with the same
 bits. Per rank it moves 2(p-1)/p of the buffer, the bandwidth optimum.
 
-Messages whose chunks fit one segment skip the pipeline: each step is one Sendrecv over a
-precomputed schedule (`schedule`, pure data, cached), so a small allreduce pays a handful
-of Python-level MPI calls and no per-step planning.
+Messages whose chunks fit one segment skip the pipeline (in the allreduce, the
+reduce-scatter and the allgather alike): each step is one Sendrecv over a precomputed
+schedule (`schedule`, pure data, cached), so a small message pays a handful of
+Python-level MPI calls and no per-step planning.
 
 Cost: 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma.
 """
@@ -104,6 +105,32 @@ def _ring_pass(mpi, nsteps: int, first, recv_target, process, seg: int) -> None:
     MPI.Request.Waitall(sends)
 
 
+def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, steps) -> None:
+    """The reduce-scatter steps of the schedule for chunks of one segment, one blocking
+    Sendrecv each, partial sums alternating between two scratch buffers; `mine` (the
+    place of my chunk, which may be that chunk of sendbuf) receives my chunk's reduction."""
+    mpi, p = comm.comm, comm.size
+    left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
+    longest = -(-len(sendbuf) // p)               # chunk 0, the longest
+    work = (scratch(comm, 0, longest, sendbuf.dtype, like=sendbuf),
+            scratch(comm, 1, longest, sendbuf.dtype, like=sendbuf))
+    out = sendbuf[steps[0][0]:steps[0][1]]
+    for t, (_, _, lo, hi) in enumerate(steps):
+        got = work[t % 2][:hi - lo]
+        mpi.Sendrecv(out, right, _TAG, got, left, _TAG)
+        out = got if t < p - 2 else mine          # the last step brings my own chunk
+        reduce_into(op, got, sendbuf[lo:hi], out)
+
+
+def _allgather_unsegmented(comm, buf, steps) -> None:
+    """The allgather steps of the schedule for chunks of one segment: pass the chunks of
+    buf on around the ring, one blocking Sendrecv each (buf holds my chunk already)."""
+    mpi, p = comm.comm, comm.size
+    left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
+    for slo, shi, lo, hi in steps:
+        mpi.Sendrecv(buf[slo:shi], right, _TAG, buf[lo:hi], left, _TAG)
+
+
 def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = None):
     """Ring reduce-scatter: `shard` (chunk(n, rank, size) of sendbuf's length n) receives
     the reduction of that chunk over all ranks. `shard` may be that chunk of sendbuf itself.
@@ -115,6 +142,8 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     if p == 1:
         if not same_view(shard, sendbuf):
             shard[...] = sendbuf
+    elif n <= seg * p:                                  # every chunk is one segment
+        _reduce_scatter_unsegmented(comm, sendbuf, shard, op, schedule(n, r, p)[:p - 1])
     else:
         work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
         chunk_of = [(r - t - 1) % p for t in range(p)]   # chunk sent at step t
@@ -141,12 +170,15 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
 def allgather(comm, shard, out):
     """Ring allgather: out (length n) receives every rank's chunk(n, rank, size) shard."""
     mpi, p, r = comm.comm, comm.size, comm.rank
-    counts, displs = counts_displs(len(out), p)
+    n = len(out)
+    counts, displs = counts_displs(n, p)
     mine = out[displs[r]:displs[r] + counts[r]]
     if not same_view(shard, mine):
         mine[...] = shard
-    if p > 1:
-        seg = max(1, segment_bytes() // max(1, out.itemsize))
+    seg = max(1, segment_bytes() // max(1, out.itemsize))
+    if 1 < p and n <= seg * p:                          # every chunk is one segment
+        _allgather_unsegmented(comm, out, schedule(n, r, p)[p - 1:])
+    elif p > 1:
         chunk_of = [(r - t) % p for t in range(p)]        # chunk sent at step t
 
         def target(t):
@@ -158,28 +190,6 @@ def allgather(comm, shard, out):
 
         _ring_pass(mpi, p - 1, mine, target, process, seg)
     return out
-
-
-def _allreduce_unsegmented(comm, sendbuf, recvbuf, op: Op, steps) -> None:
-    """The ring for chunks of one segment: each step one blocking Sendrecv, partial sums
-    alternating between two scratch buffers."""
-    mpi, p = comm.comm, comm.size
-    left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
-    longest = -(-len(sendbuf) // p)               # chunk 0, the longest
-    work = (scratch(comm, 0, longest, sendbuf.dtype, like=sendbuf),
-            scratch(comm, 1, longest, sendbuf.dtype, like=sendbuf))
-    # 1. reduce-scatter: send my partial sum of one chunk, reduce the next one into it
-    out = sendbuf[steps[0][0]:steps[0][1]]
-    for t in range(p - 1):
-        _, _, lo, hi = steps[t]
-        got = work[t % 2][:hi - lo]
-        mpi.Sendrecv(out, right, _TAG, got, left, _TAG)
-        out = got if t < p - 2 else recvbuf[lo:hi]    # the last step brings my own chunk
-        reduce_into(op, got, sendbuf[lo:hi], out)
-    op.finalize(out, p)
-    # 2. allgather: pass the reduced chunks on around the ring
-    for slo, shi, lo, hi in steps[p - 1:]:
-        mpi.Sendrecv(recvbuf[slo:shi], right, _TAG, recvbuf[lo:hi], left, _TAG)
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):
@@ -197,7 +207,13 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     n = len(sendbuf)
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
     if n <= seg * p:                          # every chunk is one segment
-        _allreduce_unsegmented(comm, sendbuf, recvbuf, op, schedule(n, r, p))
+        steps = schedule(n, r, p)
+        lo, hi = steps[p - 2][2:]                 # my chunk, the last one reduced
+        # 1. reduce-scatter
+        _reduce_scatter_unsegmented(comm, sendbuf, recvbuf[lo:hi], op, steps[:p - 1])
+        op.finalize(recvbuf[lo:hi], p)
+        # 2. allgather
+        _allgather_unsegmented(comm, recvbuf, steps[p - 1:])
         return recvbuf
     mpi = comm.comm
     counts, displs = counts_displs(n, p)
