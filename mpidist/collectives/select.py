@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             note = " (over all sizes; predictions use per-range pieces)" if lv.get("pieces") \
                 else ""
             print(f"# level {name}: p={lv['p']} gamma={lv['gamma'] * 1e9:.3f}ns/B; {fits}{note}")
+            cond = lv.get("conditions")
+            if cond:
+                print(f"#   probed {cond['when']} in {cond['seconds']:.1f} s, load average "
+                      f"{cond['load_before']:.1f} -> {cond['load_after']:.1f} on "
+                      f"{cond['cores']} cores, sizes {format_size(cond['sizes'][0])}.."
+                      f"{format_size(cond['sizes'][-1])}")
         print(f"{'size':>8} {'algorithm':>19} {'predicted ms':>13} {'measured ms':>12} "
               f"{'error':>7}  auto")
         for r in rows:
