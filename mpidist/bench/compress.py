@@ -4,7 +4,7 @@
     python -m mpidist.launcher -n 4 -- mpidist bench compress                 # 25M floats
     python -m mpidist.launcher -n 2 -- mpidist bench compress --numel 2000000 --steps 2
     python -m mpidist.launcher -n 4 -- mpidist bench compress --numel 1000000 \\
-        --tta jobs/digits_lamb.toml                 # also train the job once per compressor
+        --tta jobs/digits_lamb.toml                 # also train the job once per TTA_CONFIGS
 
 Phases:
   1. kernels: rank 0 alone (the others sleep) times each compressor's encode
@@ -13,8 +13,10 @@ Phases:
   2. allreduce: all ranks run the compressed allreduce on their own gradient; bytes are
      the exact bytes each rank sent, against the uncompressed float32 ring's 2(p-1)/p.
      The gathering compressors also run as a ring on re-encoded chunks ("... ring").
-  3. time-to-accuracy (--tta CONFIG): the training job once per compressor through
-     mpidist.engine, with error feedback where the compressor has it.
+  3. time-to-accuracy (--tta CONFIG): the training job uncompressed, then once per
+     TTA_CONFIGS entry through mpidist.engine: final test accuracy, its gap to
+     uncompressed, and the epoch and seconds at which it first came within 1 percentage
+     point of uncompressed (--set job.epochs=36 measures that in a longer run).
 The gradient is a layout of 6 square layers plus a dense tail (so PowerSGD has matrices).
 Writes compress.csv, compress.json and compress.png under --out (rank 0).
 """
@@ -29,7 +31,7 @@ import time
 
 import numpy as np
 
-__all__ = ["main", "CONFIGS", "RING_VARIANTS", "bench_layout"]
+__all__ = ["main", "CONFIGS", "RING_VARIANTS", "TTA_CONFIGS", "bench_layout"]
 
 # (label, compressor name, options)
 CONFIGS = [
@@ -119,9 +121,32 @@ def _allreduce(comm, layout, x, steps: int) -> dict:
     return rows
 
 
+# the time-to-accuracy runs: (label, compressor name, options); warmup = "ramp" stands for
+# DGC's exponential ramp 25% -> 6.25% -> 1.5625%, one epoch each, then the ratio
+TTA_CONFIGS = [
+    ("fp16", "fp16", {}),
+    ("bf16", "bf16", {}),
+    ("sign (1-bit)", "sign", {}),
+    ("qsgd 4-bit", "qsgd", {"levels": 7}),
+    ("powersgd r4", "powersgd", {"rank": 4}),
+    ("topk 1%", "topk", {"ratio": 0.01}),
+    ("topk 1% ramp+clip", "topk", {"ratio": 0.01, "warmup": "ramp", "clip_norm": 1.0}),
+    ("topk 1% ramp+clip+mc", "topk", {"ratio": 0.01, "warmup": "ramp", "clip_norm": 1.0,
+                                      "momentum": 0.9}),
+    ("topk 1% ramp no-EF", "topk", {"ratio": 0.01, "warmup": "ramp", "error_feedback": False}),
+    ("randomk 1%", "randomk", {"ratio": 0.01}),
+    ("randomk 1% ramp+clip", "randomk", {"ratio": 0.01, "warmup": "ramp", "clip_norm": 1.0}),
+    ("randomk 1% ramp no-EF", "randomk", {"ratio": 0.01, "warmup": "ramp",
+                                          "error_feedback": False}),
+]
+TTA_WITHIN = 0.01       # "within": test accuracy at most 1 percentage point below uncompressed
+
+
 def _tta(comm, config_path: str, out: str, overrides: dict) -> dict:
-    """Train the job once per compressor (and once uncompressed): accuracy and seconds."""
+    """Train the job uncompressed, then once per TTA_CONFIGS entry: final test accuracy, the
+    gap to uncompressed, and epochs and seconds until within TTA_WITHIN of its final."""
     try:
+        from mpidist.compress.sparse import exponential_warmup
         from mpidist.engine.config import load_config
         from mpidist.engine.loop import run
     except ImportError as exc:
@@ -130,22 +155,31 @@ def _tta(comm, config_path: str, out: str, overrides: dict) -> dict:
         rows = {"powersgd plan": _job_plan(comm, config_path, overrides)}
     except Exception as exc:    # the engine's or data's error, agreed on every rank by them
         rows = {"powersgd plan": f"unavailable ({type(exc).__name__}: {exc})"[:200]}
-    # the job config names a compressor only: each with its default options
-    for name in ["none"] + list(dict.fromkeys(nm for _, nm, _ in CONFIGS)):
-        label = "uncompressed" if name == "none" else name
-        job_out = os.path.join(out, "tta", name)
+    reference = steps_per_epoch = None
+    for label, name, opts in [("uncompressed", "none", {})] + TTA_CONFIGS:
+        job_out = os.path.join(out, "tta", re.sub(r"[^\w.%+-]+", "_", label))
         try:
-            cfg = load_config(config_path, comm, {**overrides, "parallel.compression": name,
-                                                  "job.out_dir": job_out, "job.progress": False,
-                                                  "job.plot": False})
+            if opts.get("warmup") == "ramp":
+                opts = {**opts, "warmup": exponential_warmup(0.25, opts["ratio"], steps_per_epoch)}
+            settings = {"parallel.compression": name, "job.out_dir": job_out,
+                        "job.progress": False, "job.plot": False, "job.target_accuracy": 0.0}
+            if opts:
+                settings["parallel.compression_options"] = opts
+            cfg = load_config(config_path, comm, {**overrides, **settings})
             summary = run(cfg, comm)
-            target = cfg["job"].get("target_accuracy")
-            rows[label] = {"test_accuracy": summary["test_accuracy"],
-                           "train_s": summary["train_seconds"],
-                           "time_to_target_s": _time_to(os.path.join(job_out, "metrics.jsonl"),
-                                                        target, comm)}
+            if reference is None:
+                reference = summary["test_accuracy"]
+                steps_per_epoch = max(1, summary["steps"] // max(cfg["job"]["epochs"], 1))
+            epochs, seconds = _time_to(os.path.join(job_out, "metrics.jsonl"),
+                                       reference - TTA_WITHIN, comm)
+            rows[label] = {"options": opts, "test_accuracy": summary["test_accuracy"],
+                           "gap_pp": 100 * (summary["test_accuracy"] - reference),
+                           "epochs": cfg["job"]["epochs"], "train_s": summary["train_seconds"],
+                           "epochs_to_within": epochs, "seconds_to_within": seconds}
         except Exception as exc:      # the engine's error, agreed on every rank by it
             rows[label] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            if reference is None:
+                break                 # no uncompressed reference: nothing to compare with
     return rows
 
 
@@ -164,10 +198,11 @@ def _job_plan(comm, config_path: str, overrides: dict) -> str:
     return PowerSGD(rank=4).plan_for(layout, layout.numel).describe()
 
 
-def _time_to(path: str, target, comm):
-    """Seconds of training steps until the first evaluation at >= target (rank 0's log)."""
-    result = None
-    if comm.rank == 0 and target and os.path.exists(path):
+def _time_to(path: str, target: float, comm):
+    """(epochs, seconds of training steps) until the first evaluation at >= target, from
+    rank 0's log; (None, None) if none got there."""
+    result = (None, None)
+    if comm.rank == 0 and os.path.exists(path):
         elapsed = 0.0
         with open(path) as fh:
             for line in fh:
@@ -175,7 +210,7 @@ def _time_to(path: str, target, comm):
                 if rec.get("event") == "step":
                     elapsed += rec.get("t_step", 0.0)
                 elif rec.get("event") == "eval" and rec.get("accuracy", 0) >= target:
-                    result = elapsed
+                    result = (rec["epoch"] + 1, elapsed)
                     break
     return comm.comm.bcast(result, root=0)
 
@@ -226,22 +261,34 @@ def _table(report: dict) -> str:
     lines += _targets(k)
     tta = report.get("tta")
     if tta:
-        lines.append("time to accuracy (" + report["tta_config"] + "):")
-        if "missing" in tta:
-            lines.append("  " + tta["missing"])
-        for label, r in tta.items():
-            if label == "missing":
-                continue
-            if label == "powersgd plan":
-                lines.append(f"  PowerSGD rank 4 on the job's layers: {r}")
-                continue
-            if "error" in r:
-                lines.append(f"  {label:<22}failed: {r['error']}")
-            else:
-                lines.append(f"  {label:<22}test accuracy {r['test_accuracy']:.4f}  "
-                             f"train {r['train_s']:.1f} s  to target "
-                             f"{_fmt(r['time_to_target_s'], '.1f')} s")
+        lines += _tta_table(report["tta_config"], tta)
     return "\n".join(lines)
+
+
+def _tta_table(config: str, tta: dict) -> list[str]:
+    """Per compressor: final test accuracy, gap to uncompressed, epochs and seconds until
+    within 1 percentage point of uncompressed (- if never)."""
+    lines = [f"time to accuracy ({config}; within = test accuracy >= uncompressed - "
+             f"{100 * TTA_WITHIN:g} pp):"]
+    if "missing" in tta:
+        return lines + ["  " + tta["missing"]]
+    lines.append(f"  {'compressor':<24}{'test %':>8}{'gap pp':>8}{'epochs':>8}"
+                 f"{'within at epoch':>17}{'after s':>9}{'train s':>9}")
+    for label, r in tta.items():
+        if label == "powersgd plan":
+            continue
+        if "error" in r:
+            lines.append(f"  {label:<24}failed: {r['error']}")
+            continue
+        lines.append(f"  {label:<24}{100 * r['test_accuracy']:8.2f}{r['gap_pp']:+8.2f}"
+                     f"{r['epochs']:8d}{_fmt(r['epochs_to_within'], '17d')}"
+                     f"{_fmt(r['seconds_to_within'], '9.1f')}{r['train_s']:9.1f}")
+    for label, r in tta.items():
+        if isinstance(r, dict) and r.get("options"):
+            lines.append(f"  {label}: {json.dumps(r['options'])}")
+    if isinstance(tta.get("powersgd plan"), str):
+        lines.append(f"  PowerSGD rank 4 on the job's layers: {tta['powersgd plan']}")
+    return lines
 
 
 def _plot(report: dict, path: str) -> None:

@@ -28,3 +28,21 @@ def test_bench_compress_reports_every_compressor(tmp_path):
     assert report["allreduce"]["fp16"]["wire_ratio"] == pytest.approx(0.5, rel=0.02)
     assert report["allreduce"]["dense fp32 ring"]["wire_ratio"] == 1.0
     assert (out / "compress.csv").exists() and (out / "compress.png").exists()
+
+
+def test_time_to_accuracy_reads_the_first_eval_within(tmp_path, comm):
+    """Epochs and step seconds until the first evaluation at the target; (None, None) if
+    none; the table shows the gap and '-' for never."""
+    from mpidist.bench.compress import _time_to, _tta_table
+    path = tmp_path / f"metrics{comm.rank}.jsonl"
+    recs = [{"event": "step", "t_step": 0.5}, {"event": "eval", "epoch": 0, "accuracy": 0.90},
+            {"event": "step", "t_step": 0.25}, {"event": "eval", "epoch": 1, "accuracy": 0.97},
+            {"event": "step", "t_step": 1.0}, {"event": "eval", "epoch": 2, "accuracy": 0.98}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert _time_to(str(path), 0.965, comm) == (2, 0.75)
+    assert _time_to(str(path), 0.99, comm) == (None, None)
+    row = {"test_accuracy": 0.9415, "gap_pp": -3.62, "epochs": 12, "train_s": 5.0,
+           "epochs_to_within": None, "seconds_to_within": None, "options": {"ratio": 0.01}}
+    text = "\n".join(_tta_table("job.toml", {"topk 1%": row}))
+    assert "94.15   -3.62      12                -        -" in text
+    assert 'topk 1%: {"ratio": 0.01}' in text
