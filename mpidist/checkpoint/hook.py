@@ -3,6 +3,10 @@
 Saves every [checkpoint] interval steps and at the end, resumes from the newest good
 checkpoint (on any rank count and strategy whose tensors match), and turns SIGTERM/SIGUSR1
 into "finish this step, checkpoint, exit REQUEUE_EXIT_CODE" on every rank.
+
+It acts only where every rank stands at the same step: after every step for synchronous
+strategies; for the parameter server after the steps its at_boundary() marks (attach()
+hands it the preemption flag, so a signal brings the next boundary soon).
 """
 from __future__ import annotations
 
@@ -34,6 +38,14 @@ class CheckpointHook:
         self.manager = CheckpointManager(c["dir"], keep=c["keep"], comm=comm)
         self.preemption = Preemption(comm).install()
         self.saved_step: int | None = None
+        self.checked_step = 0                 # step of the last boundary seen
+
+    def attach(self, strategy) -> None:
+        """Before training: an asynchronous strategy stops at a common step once this rank is
+        signalled (strategies that meet at every step have no pause_on)."""
+        pause_on = getattr(strategy, "pause_on", None)
+        if pause_on is not None:
+            pause_on(lambda: self.preemption.requested)
 
     def resume(self, strategy) -> bool:
         """Collective: load the newest good checkpoint into strategy; False if there is none."""
@@ -64,13 +76,17 @@ class CheckpointHook:
             if self.comm.rank == 0:
                 log.info("resumed from %s (step %d, written by %d ranks, %s)", src.path, src.step,
                          src.world_size, src.meta.get("strategy", "?"))
-        self.saved_step = strategy.step
+        self.saved_step = self.checked_step = strategy.step
         return True
 
     def after_step(self, strategy, last: bool) -> None:
-        """Collective: save on the interval and at the end; on a preemption signal save and exit."""
-        step = strategy.step
-        if (self.interval and step % self.interval == 0) or last:
+        """Collective at a boundary: save when a multiple of the interval was reached since the
+        last boundary, and at the end; on a preemption signal save and exit."""
+        if not getattr(strategy, "at_boundary", lambda: True)():
+            return
+        step, previous = strategy.step, self.checked_step
+        self.checked_step = step
+        if (self.interval and step // self.interval > previous // self.interval) or last:
             self.save(strategy)
         if self.preemption.should_stop():
             if self.saved_step != step:

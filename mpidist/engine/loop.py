@@ -5,6 +5,7 @@ loop feeds each rank its rows of every global batch and records what comes back.
 
 Checkpoint hook point. When [checkpoint] interval > 0, dir is set, or resume = true, the loop
 imports CHECKPOINT_HOOK ("module:factory"), calls factory(config, comm) -> hook, then
+    hook.attach(strategy)                before training
     hook.resume(strategy) -> bool        before training, if checkpoint.resume (collective)
     hook.after_step(strategy, last)      after every step; the hook decides when to save
     hook.close()                         at the end
@@ -110,8 +111,10 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
     config = {**config, "job": {**job, "total_steps": total, "steps_per_epoch": per_epoch}}
     strategy = _agreed(comm, build_strategy, config, comm, meta)
     hook = _agreed(comm, _checkpoint_hook, config, comm)
-    if hook is not None and config["checkpoint"]["resume"]:
-        hook.resume(strategy)
+    if hook is not None:
+        hook.attach(strategy)
+        if config["checkpoint"]["resume"]:
+            hook.resume(strategy)
     is_root = comm.rank == 0
     if is_root:
         os.makedirs(out_dir, exist_ok=True)

@@ -24,6 +24,16 @@ Server loop (one update = one epoch):
 A push takes exactly one ticket and so lands in exactly one drained slot: no update is lost
 or applied twice under any interleaving. At the end each server checks that its APPLIED
 counts equal every worker's step count.
+
+Checkpoints (segments). serve() also returns when every worker has *paused* (PAUSED[w]
+set after its last push, like FIN) and every push is applied: all ranks then stand at one
+step boundary, end_segment() reopens the pause words and agrees on the clocks (collective),
+the ranks write a checkpoint together, and training goes on with the next serve(). A pause
+comes at the checkpoint interval, or when any rank asks (request_pause: PAUSE on the first
+server): under ASP/SSP every worker pauses after its current push; under BSP the first
+server, at its next update, fixes HALT = the step at which every worker pauses (it is set
+before that update's VERSION, and a worker reads it once VERSION reaches its clock), so all
+workers stop after the same step. restore() starts the windows from a checkpoint.
 """
 from __future__ import annotations
 
@@ -36,7 +46,7 @@ from mpidist.comm import as_communicator
 from mpidist.errors import MismatchError
 from mpidist.partition import chunk
 from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler
-from mpidist.ps.windows import (DONE, MPI_DTYPES, TICKET, VERSION, WRITING, CtrlLayout,
+from mpidist.ps.windows import (DONE, HALT, MPI_DTYPES, PAUSE, TICKET, VERSION, WRITING, CtrlLayout,
                                 Windows, pack_ticket, unpack_ticket)
 from mpidist.ps.worker import Backoff, Worker, check_abort
 
@@ -89,8 +99,9 @@ class ShardServer:
     """The loop of one server rank over its shard."""
 
     def __init__(self, wins: Windows, *, params: np.ndarray, optimizer, consistency: Consistency,
-                 workers: int, average: bool, timeout: float):
+                 workers: int, average: bool, timeout: float, lead: int):
         self.wins, self.params, self.optimizer = wins, params, optimizer
+        self.lead = lead                  # the first server: it holds PAUSE and HALT
         self.consistency, self.workers = consistency, workers
         self.average, self.timeout = average, timeout
         self.layout = CtrlLayout(workers)
@@ -109,15 +120,23 @@ class ShardServer:
         wins.data.Put(self.params, self.me, (self.offsets["param"][version & 1], cnt, wins.mpi_dtype))
         wins.data.Flush(self.me)
 
-    def serve(self) -> ServerStats:
-        """Run until every worker has finished and every push is applied."""
+    def serve(self, requested=None) -> ServerStats:
+        """Run until every worker has finished or paused and every push is applied.
+
+        requested: callable -> bool (this rank was signalled); once True, every worker is
+        asked to pause (PAUSE on the first server)."""
         wins, W = self.wins, self.workers
         idle = Backoff(self.timeout, "a push from any worker")
+        asked = False
         while True:
             check_abort(wins)
-            # FIN before TICKET: a worker sets FIN after its last ticket, so "all finished
-            # and no open ticket" seen in this order means every push has been drained
-            fin = wins.read_words(self.me, self.layout.fin, W)
+            if requested is not None and not asked and requested():
+                wins.replace_words(self.lead, PAUSE, np.ones(1, np.int64))
+                asked = True
+            # FIN/PAUSED before TICKET: a worker sets them after its last ticket, so "all
+            # stopped and no open ticket" seen in this order means every push has been drained
+            fin, paused = wins.read_words(self.me, self.layout.fin, 2 * W).reshape(2, W)
+            stopped = np.maximum(fin, paused)
             word = wins.read(self.me, TICKET)
             epoch, entries = unpack_ticket(word)
             if self.consistency.model == "bsp" and entries > W:
@@ -130,14 +149,14 @@ class ShardServer:
                 self._update(epoch & 1, entries)
                 idle.reset()
                 continue
-            if entries == 0 and (fin > 0).all():
-                self._check_totals(fin - 1)
+            if entries == 0 and (stopped > 0).all():
+                self._check_totals(stopped - 1)
                 return self.stats
             if self.consistency.model == "bsp" and entries > 0:
-                stopped = [w for w in range(W) if 0 < fin[w] <= epoch + 1]
-                if stopped:
-                    raise MismatchError(f"BSP step {epoch}: worker(s) {stopped} finished after "
-                                        f"{[int(fin[w]) - 1 for w in stopped]} steps while others "
+                early = [w for w in range(W) if 0 < stopped[w] <= epoch + 1]
+                if early:
+                    raise MismatchError(f"BSP step {epoch}: worker(s) {early} stopped after "
+                                        f"{[int(stopped[w]) - 1 for w in early]} steps while others "
                                         f"push step {epoch}; give every worker the same step count")
             idle.wait()
 
@@ -168,8 +187,12 @@ class ShardServer:
             self._grad /= self.workers
         self.optimizer.step(self.params, self._grad)
         self.stats.apply_time += time.perf_counter() - t0
-        # 5. publish the new version (seqlock: WRITING first, VERSION last)
+        # 5. publish the new version (seqlock: WRITING first, VERSION last); under BSP the
+        #    first server fixes a requested pause at this version before publishing it
         v = self.version + 1
+        if self.consistency.model == "bsp" and me == self.lead and wins.read(me, PAUSE) \
+                and not wins.read(me, HALT):
+            wins.replace_words(me, HALT, np.array([v], np.int64))
         wins.replace_words(me, WRITING, np.array([v], np.int64))
         self._put_params(v)
         wins.add_words(me, self.layout.applied, self._counts)
@@ -178,6 +201,23 @@ class ShardServer:
         self.stats.updates += 1
         self.stats.pushes += entries
         self.stats.batch.append(entries)
+
+    def restore(self, params: np.ndarray, version: int, applied: np.ndarray) -> None:
+        """Start from a checkpoint, before any worker runs: my shard `params` published as
+        `version` (also the epoch of the next tickets), APPLIED = applied (the clocks)."""
+        wins, me, v = self.wins, self.me, int(version)
+        self.params[...] = params
+        self.version = v
+        self._put_params(v)
+        for index, value in ((TICKET, pack_ticket(v, 0)), (WRITING, v), (VERSION, v)):
+            wins.replace_words(me, index, np.array([value], np.int64))
+        wins.replace_words(me, self.layout.applied, np.asarray(applied, np.int64))
+
+    def clear_pause(self) -> None:
+        """After a pause (every worker stopped): reopen PAUSED, and PAUSE/HALT on the lead."""
+        self.wins.replace_words(self.me, self.layout.paused, self._zero_counts)
+        if self.me == self.lead:
+            self.wins.replace_words(self.me, PAUSE, np.zeros(2, np.int64))
 
     def _check_totals(self, steps: np.ndarray) -> None:
         applied = self.wins.read_words(self.me, self.layout.applied, self.workers)
@@ -264,7 +304,7 @@ class ParameterServer:
                 self.server = ShardServer(self.windows, params=shard.copy(),
                                           optimizer=opt, consistency=model,
                                           workers=self.num_workers, average=average,
-                                          timeout=timeout)
+                                          timeout=timeout, lead=self.server_ranks[0])
             else:
                 self.worker = Worker(self.windows, index=self.worker_ranks.index(c.rank),
                                      workers=self.num_workers, servers=self.server_ranks,
@@ -283,13 +323,58 @@ class ParameterServer:
     def worker_index(self) -> int | None:
         return None if self.is_server else self.worker_ranks.index(self.comm.rank)
 
-    def serve(self) -> ServerStats:
-        """Server ranks: run the server loop until every worker has finished."""
+    def serve(self, requested=None) -> ServerStats:
+        """Server ranks: run the server loop until every worker has finished or paused.
+        requested: callable -> bool; once True, every worker is asked to pause."""
         if not self.is_server:
             raise RuntimeError("serve() is for server ranks; check ps.is_server")
         self._check_open()
-        self._stats_server = self.server.serve()
+        self._stats_server = self.server.serve(requested)
         return self._stats_server
+
+    # ------------------------------------------------------------------ checkpoints
+    def request_pause(self) -> None:
+        """Any rank: ask every worker to pause at its next step boundary (PAUSE)."""
+        self._check_open()
+        self.windows.replace_words(self.server_ranks[0], PAUSE, np.ones(1, np.int64))
+
+    def end_segment(self) -> dict:
+        """Collective, once every worker has paused or finished and every server has returned
+        from serve(): reopen the pause words (before anyone can push again), then agree.
+        -> {"clocks": pushes applied per worker, "versions": updates per server,
+            "optim_steps": per server, the optimizer's step_count (else its version)}."""
+        self._check_open()
+        mine = None
+        if self.is_server:
+            self.server.clear_pause()
+            srv = self.server
+            mine = (self.windows.read_words(srv.me, srv.layout.applied, self.num_workers),
+                    srv.version, int(getattr(srv.optimizer, "step_count", srv.version)))
+        else:
+            self.worker.resume()
+        every = self.comm.comm.allgather(mine)
+        servers = [every[r] for r in self.server_ranks]
+        return {"clocks": servers[0][0], "versions": [v for _, v, _ in servers],
+                "optim_steps": [o for _, _, o in servers]}
+
+    def restore(self, clocks, version: int, shard: np.ndarray | None = None) -> None:
+        """Collective, before any pull or push: start from a checkpoint at `version` updates
+        with per-worker clocks `clocks`; servers publish `shard` (their chunk() of the flat
+        parameters)."""
+        self._check_open()
+        clocks = np.asarray(clocks, np.int64)
+        error = None
+        try:
+            if clocks.shape != (self.num_workers,):
+                raise ValueError(f"clocks must hold one count per worker ({self.num_workers}), "
+                                 f"got shape {clocks.shape}")
+            if self.is_server:
+                self.server.restore(shard, version, clocks)
+            else:
+                self.worker.restore(int(clocks[self.worker_index]), version)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        self.comm.raise_if_any(error)     # also the barrier: nobody pushes before all restored
 
     def run(self, grad_fn, steps: int) -> None:
         """Both roles: servers serve; workers do `steps` of pull -> grad_fn(params, t) -> push."""

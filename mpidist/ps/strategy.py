@@ -16,7 +16,17 @@ Evaluation: while a worker is still training it evaluates its own rows of the te
 with its latest parameters (no synchronisation of asynchronous workers); after its last
 step it waits for the final parameters, and the final evaluation is summed over all ranks
 (servers contribute nothing), so every rank reports the same figures.
-Server ranks train nothing: their first train_step serves the whole run.
+
+Segments. Server ranks train nothing: a server's train_step serves until every worker has
+stopped at a common boundary: the end of the run, a checkpoint step ([checkpoint]
+interval), or a pause some rank asked for (a preemption signal, see pause_on). Every rank
+then agrees on the step (the servers' applied pushes / W), at_boundary() is True, and the
+checkpoint hook may save: each server writes its chunk() of the parameters and of its
+optimizer state, each worker its clock (ps/clock, (W,)), so the file holds the same
+params/ and optim/ tensors as a data-parallel one. Between boundaries a worker's steps
+are its own (at_boundary() False). Resuming reads the shards by chunk() for any number of
+servers, and the clocks when the number of workers is the same (else every worker starts
+at the step); a data-parallel or ZeRO checkpoint loads too, and a ps one into them.
 """
 from __future__ import annotations
 
@@ -27,8 +37,8 @@ import time
 
 import numpy as np
 from mpidist.engine.config import check_support
-from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
-                                     build_optimizer_from_config, replicated_pieces)
+from mpidist.engine.strategy import (StateDict, Strategy, TensorPiece, build_model_from_config,
+                                     build_optimizer_from_config, flat_pieces, read_flat)
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.ps.consistency import Consistency, Straggler, format_histogram
@@ -46,11 +56,7 @@ class ParameterServerStrategy(Strategy):
     def __init__(self, config: dict, comm, meta: dict, *, timeout: float = 300.0):
         super().__init__(config, comm, meta)
         check_support(config)       # [parallel] compression / accumulation it cannot honour
-        p, ck = config["parallel"], config["checkpoint"]
-        if ck["interval"] > 0 or ck["resume"]:
-            raise ConfigError("[checkpoint] interval/resume: the parameter server's asynchronous "
-                              "workers have no common step to checkpoint at; drop them for "
-                              "strategy = 'ps'")
+        p = config["parallel"]
         if p["consistency"] != "ssp" and p["staleness"]:
             raise ConfigError("[parallel] staleness applies to consistency = 'ssp' only")
         model = Consistency(p["consistency"], p["staleness"])
@@ -72,6 +78,11 @@ class ParameterServerStrategy(Strategy):
         self.loss = SoftmaxCrossEntropy()
         self.pushes = 0
         self._finished = False
+        self.interval = config["checkpoint"]["interval"]
+        self._requested = None             # pause_on's callable
+        self._boundary = True              # every rank stands at the same step
+        self._segment_start = 0            # step of the last boundary
+        self._optim_steps = [0] * len(self.ps.server_ranks)
 
     # ------------------------------------------------------------------ training
     def train_step(self, x, y, global_count: int | None = None) -> dict:
@@ -81,11 +92,24 @@ class ParameterServerStrategy(Strategy):
             self.ps.abort()            # the other ranks' waits fail now, not at their timeout
             raise
 
+    def at_boundary(self) -> bool:
+        """True after a train_step that ended a segment (every rank at the same step)."""
+        return self._boundary
+
+    def pause_on(self, requested) -> None:
+        """requested() -> bool, True once this rank was signalled: every rank then stops at
+        the next common step boundary (the checkpoint hook passes its preemption flag)."""
+        self._requested = requested
+
+    def _asked(self) -> bool:
+        return self._requested is not None and self._requested()
+
     def _work(self, x, y, global_count) -> dict:
         if global_count is None:
             raise ValueError("strategy 'ps' needs global_count (asynchronous workers can not "
                              "agree on it per step)")
         W = self.data_size
+        self._boundary = False
         # 1. pull (BSP / SSP wait here)
         t0 = time.perf_counter()
         self.worker.pull(out=self.params.data)
@@ -104,23 +128,45 @@ class ParameterServerStrategy(Strategy):
             self.step += 1                 # lockstep: every worker makes every step
         else:                              # steps' worth of updates, by all workers
             self.step = min(max(self.step, self.worker.global_clock()), self.total_steps)
+        # 4. the end of a segment: the run's end, a checkpoint step, or an asked-for pause
         if self.step >= self.total_steps:
             self.worker.finish()
-            self.worker.pull_final(out=self.params.data)
-            self._finished = True
+            self._meet()
+        else:
+            scheduled = bool(self.interval) and \
+                self.step // self.interval > self._segment_start // self.interval
+            if self._asked() or (scheduled and self.ps.consistency.model != "bsp"):
+                self.worker.request_pause()       # the others stop after their current push
+            if self.worker.stop_here(scheduled):
+                self._meet()
         t3 = time.perf_counter()
         return {"loss": float(loss_sum) / max(len(x), 1), "correct": int(correct), "count": len(x),
                 "t_compute": t2 - t1, "t_comm": (t1 - t0) + (t3 - t2), "t_optim": 0.0,
                 "pushes": self.pushes}
 
     def _serve(self) -> dict:
-        """A server's first step runs the whole run; it reports no samples of its own."""
+        """A server's step serves a whole segment; it reports no samples of its own."""
         t0 = time.perf_counter()
-        stats = self.ps.serve()
-        self.step = self.total_steps
-        self._finished = True
+        applying = self.ps.server.stats.apply_time
+        stats = self.ps.serve(self._requested)
+        self._meet()
+        t_optim = stats.apply_time - applying
         return {"loss": 0.0, "correct": 0, "count": 0, "t_compute": 0.0,
-                "t_comm": time.perf_counter() - t0 - stats.apply_time, "t_optim": stats.apply_time}
+                "t_comm": time.perf_counter() - t0 - t_optim, "t_optim": t_optim}
+
+    def _meet(self) -> None:
+        """Collective, every rank stopped: agree on the step (servers' applied pushes / W);
+        at the end of the run every worker takes the final parameters."""
+        info = self.ps.end_segment()
+        self.step = min(int(info["clocks"].sum()) // self.data_size, self.total_steps)
+        self._optim_steps = info["optim_steps"]
+        self._segment_start = self.step
+        self._boundary = True
+        if self.step >= self.total_steps:
+            final = self.ps.parameters()
+            if self.worker is not None:
+                self.params.data[...] = final
+            self._finished = True
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, x, y) -> dict:
@@ -143,15 +189,54 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> StateDict:
-        """The final parameters (after training every worker holds them; servers none)."""
-        if self.worker is None:
-            return StateDict(self.step, {}, {"pushes": 0})
-        tensors = replicated_pieces("params", self.layout, self.params.data,
-                                    self.data_rank, self.data_size)
-        return StateDict(self.step, tensors, {"pushes": self.pushes})
+        """At a boundary: each server its chunk() of params/ and optim/, and its optimizer's
+        step count in ps/optim_step (S,); each worker its clock in ps/clock (W,)."""
+        srv = self.ps.server
+        if srv is not None:
+            s = self.ps.server_ranks.index(self.comm.rank)
+            offset = self.ps.shards[s][0]
+            tensors = flat_pieces("params", self.layout, srv.params, offset)
+            for name, buf in sorted(srv.optimizer.state_buffers().items()):
+                tensors.update(flat_pieces(f"optim/{name}", self.layout, buf, offset))
+            tensors["ps/optim_step"] = TensorPiece((len(self._optim_steps),), s,
+                                                   np.array([srv.optimizer.step_count], np.int64))
+        else:
+            tensors = {"ps/clock": TensorPiece((self.data_size,), self.data_rank,
+                                               np.array([self.worker.clock], np.int64))}
+        # rank 0's scalars are kept: the first server's step count (a worker is rank 0)
+        return StateDict(self.step, tensors, {"optim_step": self._optim_steps[0],
+                                              "optim": self.config["optim"]["name"]})
 
     def load_state_dict(self, source) -> None:
-        raise RuntimeError("strategy 'ps' does not resume from checkpoints; train from scratch")
+        """Collective: servers read their chunk() of params/ and optim/ (any writer's
+        layout), workers the whole parameters; the clocks when W is unchanged (else every
+        worker at the step), then the windows restart from there."""
+        step, W, S = int(source.step), self.data_size, len(self.ps.server_ranks)
+        keys = set(source.keys())
+        error, shard = None, None
+        try:
+            read_flat(source, "params", self.layout, self.params.data)
+            srv = self.ps.server
+            clocks = np.full(W, step, np.int64)
+            if "ps/clock" in keys and tuple(source.shape("ps/clock")) == (W,):
+                clocks = np.asarray(source.read("ps/clock", 0, W), np.int64)
+            steps = np.full(S, int(source.scalars.get("optim_step", step)), np.int64)
+            if "ps/optim_step" in keys and tuple(source.shape("ps/optim_step")) == (S,):
+                steps = np.asarray(source.read("ps/optim_step", 0, S), np.int64)
+            if srv is not None:
+                s = self.ps.server_ranks.index(self.comm.rank)
+                offset, count = self.ps.shards[s]
+                shard = self.params.data[offset:offset + count]
+                for name, buf in srv.optimizer.state_buffers().items():
+                    read_flat(source, f"optim/{name}", self.layout, buf, offset)
+                srv.optimizer.step_count = int(steps[s])
+        except (KeyError, TypeError, ValueError) as exc:
+            error = exc
+        self.comm.raise_if_any(error)
+        self.ps.restore(clocks, step, shard)
+        self.step = self._segment_start = step
+        self._optim_steps = [int(v) for v in steps]
+        self._finished = step >= self.total_steps
 
     def memory_report(self) -> dict:
         rep = {"params": int(self.params.data.nbytes), "grads": int(self.grads.data.nbytes),

@@ -11,9 +11,12 @@ Per server, the int64 control window holds (indices below):
     VERSION          updates published (parameter buffer VERSION & 1 is current)
     WRITING          the version being written now (a reader of version v retries if > v + 1)
     DONE0, DONE1     pushes completed into accumulation slot 0 / 1
+    PAUSE            (first server) 1 once any rank asked every worker to pause
+    HALT             (first server, BSP) the clock at which every worker pauses (0: none)
     CNT0[W], CNT1[W] pushes per worker in slot 0 / 1
     APPLIED[W]       pushes per worker applied to the parameters (the SSP clocks)
     FIN[W]           1 + the worker's step count once it has finished (0 while running)
+    PAUSED[W]        1 + the worker's step count while it pauses at a checkpoint (0 running)
 and the data window (the parameter dtype) holds, over the server's chunk() shard of c
 elements: PARAM0, PARAM1 (double-buffered parameters) and ACC0, ACC1 (double-buffered
 gradient accumulation slots), c elements each.
@@ -23,12 +26,13 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CtrlLayout", "Windows", "ABORT", "TICKET", "VERSION", "WRITING", "DONE",
+__all__ = ["CtrlLayout", "Windows", "ABORT", "TICKET", "VERSION", "WRITING", "DONE", "PAUSE", "HALT",
            "pack_ticket", "unpack_ticket", "MPI_DTYPES"]
 
 ABORT, TICKET, VERSION, WRITING = 0, 1, 2, 3
 DONE = (4, 5)
-_HEADER = 6
+PAUSE, HALT = 6, 7
+_HEADER = 8
 _EPOCH_SHIFT = 32
 _ENTRY_MASK = (1 << _EPOCH_SHIFT) - 1
 
@@ -53,7 +57,8 @@ class CtrlLayout:
         self.cnt = (_HEADER, _HEADER + W)
         self.applied = _HEADER + 2 * W
         self.fin = _HEADER + 3 * W
-        self.server_words = _HEADER + 4 * W
+        self.paused = _HEADER + 4 * W
+        self.server_words = _HEADER + 5 * W
 
     @staticmethod
     def data_offsets(count: int) -> dict:

@@ -10,6 +10,9 @@ Push (one round trip per phase, all servers at once):
      equals the tickets it closed, so a push lands in exactly one update.
 Pull: wait as the consistency model says; read VERSION, Get that parameter buffer, read
 WRITING; retry a server that had started to overwrite the buffer meanwhile (seqlock).
+Pause (checkpoints): after a push, stop_here() decides whether this worker stops at this
+step boundary; a paused worker sets PAUSED on every server and neither pulls nor pushes
+until resume() (see server.py for the protocol).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler
-from mpidist.ps.windows import DONE, TICKET, VERSION, WRITING, CtrlLayout, Windows
+from mpidist.ps.windows import DONE, HALT, PAUSE, TICKET, VERSION, WRITING, CtrlLayout, Windows
 
 __all__ = ["Worker", "Backoff", "check_abort"]
 
@@ -78,6 +81,7 @@ class Worker:
         self._one64 = [self._one, MPI.INT64_T]
         self._applied = [np.zeros(workers, np.int64) for _ in range(S)]
         self._finished = False
+        self._paused = False
         self._pulled_at = -1                             # clock of my last pull
 
     # ------------------------------------------------------------------ pull
@@ -148,19 +152,20 @@ class Worker:
                 wins.fetch_op(srv, VERSION, 0, MPI.NO_OP, self._vres[i:i + 1], flush=False)
             wins.ctrl.Flush_all()
             return int(self._vres.min()), 0
-        applied, fin = self._read_counts()
-        running = [a[f == 0] for a, f in zip(applied, fin)]   # finished workers push no more
+        applied, fin, paused = self._read_counts()
+        # finished and paused workers push no more (in this segment)
+        running = [a[(f == 0) & (p == 0)] for a, f, p in zip(applied, fin, paused)]
         return 0, int(min((a.min() for a in running if a.size), default=self.clock))
 
-    def _read_counts(self) -> tuple[list, list]:
-        """Every server's APPLIED and FIN arrays, read atomically."""
+    def _read_counts(self) -> tuple[list, list, list]:
+        """Every server's APPLIED, FIN and PAUSED arrays, read atomically."""
         wins, W = self.wins, self.workers
-        fin = [np.zeros(W, np.int64) for _ in self.servers]
+        stops = [np.zeros(2 * W, np.int64) for _ in self.servers]    # FIN, PAUSED: adjacent
         for i, srv in enumerate(self.servers):
             wins.read_words(srv, self.layout.applied, W, self._applied[i], flush=False)
-            wins.read_words(srv, self.layout.fin, W, fin[i], flush=False)
+            wins.read_words(srv, self.layout.fin, 2 * W, stops[i], flush=False)
         wins.ctrl.Flush_all()
-        return self._applied, fin
+        return self._applied, [s[:W] for s in stops], [s[W:] for s in stops]
 
     def global_clock(self) -> int:
         """Pushes applied on the first server, over all workers, divided by W: the number of
@@ -178,7 +183,7 @@ class Worker:
                                "inside its `with` block")
         backoff = Backoff(self.timeout, "every worker to finish and every push to be applied")
         while True:
-            applied, fin = self._read_counts()
+            applied, fin, _ = self._read_counts()
             if all((f > 0).all() and np.array_equal(a, f - 1) for a, f in zip(applied, fin)):
                 break
             check_abort(self.wins)
@@ -222,6 +227,47 @@ class Worker:
         self.clock += 1
         self.record.staleness.append(int((epochs - self.versions).max()))
 
+    # ------------------------------------------------------------------ pause
+    def request_pause(self) -> None:
+        """Ask every worker to pause at its next step boundary (PAUSE on the first server)."""
+        self.wins.replace_words(self.servers[0], PAUSE, np.ones(1, np.int64))
+
+    def stop_here(self, scheduled: bool) -> bool:
+        """After a push: pause here (True) when `scheduled` (a checkpoint step), or when a
+        pause was asked: under ASP/SSP at once, under BSP at the step HALT names, the same
+        for every worker (the first server sets it before VERSION reaches that step)."""
+        if not scheduled:
+            lead = self.servers[0]
+            if self.consistency.model == "bsp":
+                start = time.monotonic()
+                backoff = Backoff(self.timeout, "the first server's update of this step")
+                while self.wins.read(lead, VERSION) < self.clock:
+                    check_abort(self.wins)
+                    backoff.wait()
+                self.record.wait_time += time.monotonic() - start
+                halt = self.wins.read(lead, HALT)
+                scheduled = 0 < halt <= self.clock
+            else:
+                scheduled = self.wins.read(lead, PAUSE) > 0
+        if scheduled:
+            for srv in self.servers:
+                self.wins.replace_words(srv, self.layout.paused + self.index,
+                                        np.array([self.clock + 1], np.int64), flush=False)
+            self.wins.ctrl.Flush_all()
+            self._paused = True
+        return scheduled
+
+    def resume(self) -> None:
+        """Go on after a pause (the servers have reopened PAUSED)."""
+        self._paused = False
+
+    def restore(self, clock: int, version: int) -> None:
+        """Start from a checkpoint: my clock, and the servers' version as my last pull."""
+        self.clock = int(clock)
+        self.versions[:] = int(version)
+        self._pulled_at = -1
+        self._finished = self._paused = False
+
     def finish(self) -> None:
         """Tell every server this worker has pushed its last gradient (idempotent)."""
         if self._finished:
@@ -238,3 +284,6 @@ class Worker:
                                "inside its `with` block")
         if self._finished:
             raise RuntimeError("this worker called finish(); it can not pull or push again")
+        if self._paused:
+            raise RuntimeError("this worker is paused for a checkpoint; ParameterServer."
+                               "end_segment() resumes it")

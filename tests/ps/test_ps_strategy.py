@@ -58,15 +58,11 @@ def test_admm_strategy_reaches_consensus(comm, shared_tmp):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ps_strategy_rejects_checkpoints(comm, shared_tmp):
+def test_ps_strategy_rejects_staleness_without_ssp(comm, shared_tmp):
     from mpidist.ps.strategy import ParameterServerStrategy
     meta = {"kind": "classification", "in_shape": (64,), "classes": 10}
     cfg = _config(comm, shared_tmp, "bad", {"strategy": "ps"})
-    cfg["checkpoint"]["interval"] = 5
     cfg["job"]["total_steps"] = 6
-    with pytest.raises(ConfigError, match="checkpoint"):
-        ParameterServerStrategy(cfg, comm, meta)
-    cfg["checkpoint"]["interval"] = 0
     cfg["parallel"]["staleness"] = 2                 # consistency is bsp
     with pytest.raises(ConfigError, match="staleness"):
         ParameterServerStrategy(cfg, comm, meta)

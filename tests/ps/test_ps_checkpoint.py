@@ -1,0 +1,148 @@
+"""Checkpoints of the 'ps' strategy: every rank meets at a step boundary (the interval, or a
+pause some rank asks for), the file holds the servers' shards as the global params/ and
+optim/ tensors plus the worker clocks; resuming (other server counts, from or into dp)
+continues the uninterrupted run."""
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from mpidist.checkpoint import open_checkpoint
+from mpidist.engine.config import validate
+from mpidist.engine.loop import run
+from mpidist.engine.strategy import gather_state
+from mpidist.ps.strategy import ParameterServerStrategy
+
+META = {"kind": "classification", "in_shape": (64,), "classes": 10}
+
+
+def _raw(tmp, name, parallel, steps, interval=0, resume=False):
+    return {"job": {"name": name, "steps": steps, "progress": False, "plot": False,
+                    "out_dir": os.path.join(tmp, name)},
+            "model": {"name": "mlp", "hidden": [32]},
+            "data": {"dataset": "digits", "batch_size": 60, "cache_dir": tmp},
+            "optim": {"name": "sgd", "lr": 0.2, "hyper": {"momentum": 0.9}},
+            "parallel": parallel,
+            "checkpoint": {"interval": interval, "resume": resume,
+                           "dir": os.path.join(tmp, name, "checkpoints")}}
+
+
+@pytest.fixture
+def shared_tmp(comm):
+    return comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-psck-") if comm.rank == 0 else None)
+
+
+def _train(comm, tmp, name, parallel, steps, **kw):
+    return run(validate(_raw(tmp, name, parallel, steps, **kw), name=name, world_size=comm.size), comm)
+
+
+def _resume(comm, tmp, name, parallel, steps, start):
+    """Train `name` from a copy of run `start`'s step-3 checkpoint."""
+    if comm.rank == 0:
+        os.makedirs(os.path.join(tmp, name, "checkpoints"))
+        shutil.copy(os.path.join(tmp, start, "checkpoints", "ckpt-00000003.h5"),
+                    os.path.join(tmp, name, "checkpoints"))
+    comm.comm.Barrier()
+    return _train(comm, tmp, name, parallel, steps, resume=True)
+
+
+def _final(comm, tmp, name, step=6) -> dict:
+    with open_checkpoint(os.path.join(tmp, name, "checkpoints", f"ckpt-{step:08d}.h5"), comm=comm) as src:
+        return {k: src.read_full(k) for k in src.keys() if k.startswith(("params/", "optim/"))}
+
+
+def _close(a: dict, b: dict, atol):
+    assert sorted(a) == sorted(b)
+    return max(float(np.abs(a[k].astype(np.float64) - b[k]).max()) for k in a) < atol
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bsp_resume_equals_uninterrupted_and_moves_to_and_from_dp(comm, shared_tmp):
+    bsp = {"strategy": "ps", "consistency": "bsp"}
+    _train(comm, shared_tmp, "straight", bsp, 6)
+    _train(comm, shared_tmp, "half", bsp, 3, interval=3)
+    _final(comm, shared_tmp, "half", 3)
+    with open_checkpoint(os.path.join(shared_tmp, "half", "checkpoints", "ckpt-00000003.h5"),
+                         comm=comm) as src:
+        assert src.shape("ps/clock") == (comm.size - 1,)
+        assert src.read("ps/clock").tolist() == [3] * (comm.size - 1)
+    _resume(comm, shared_tmp, "resumed", bsp, 6, "half")
+    ref = _final(comm, shared_tmp, "straight")
+    assert _close(_final(comm, shared_tmp, "resumed"), ref, 1e-6)
+    # the same logical tensors: a ps checkpoint continues under dp, a dp one under ps
+    _resume(comm, shared_tmp, "to-dp", {"strategy": "dp"}, 6, "half")
+    _train(comm, shared_tmp, "dp-half", {"strategy": "dp"}, 3, interval=3)
+    _resume(comm, shared_tmp, "from-dp", bsp, 6, "dp-half")
+    assert _close(_final(comm, shared_tmp, "to-dp"), ref, 1e-5)
+    assert _close(_final(comm, shared_tmp, "from-dp"), ref, 1e-5)
+
+
+@pytest.mark.mpi(min_size=3)
+def test_resume_with_another_server_count_reshards(comm, shared_tmp):
+    _train(comm, shared_tmp, "straight", {"strategy": "ps", "servers": 1}, 6)
+    _train(comm, shared_tmp, "half", {"strategy": "ps", "servers": 2}, 3, interval=3)
+    _resume(comm, shared_tmp, "resumed", {"strategy": "ps", "servers": 1}, 6, "half")
+    assert _close(_final(comm, shared_tmp, "resumed"), _final(comm, shared_tmp, "straight"), 1e-6)
+
+
+def _strategy(comm, tmp, consistency, steps, interval=0):
+    raw = _raw(tmp, "manual", {"strategy": "ps", "consistency": consistency}, steps, interval)
+    cfg = validate(raw, name="manual", world_size=comm.size)
+    cfg["job"]["total_steps"] = steps
+    return ParameterServerStrategy(cfg, comm, META, timeout=60.0)
+
+
+def _drive(s, rng, until=None, on_boundary=None):
+    """The training loop's part: every rank calls train_step; collectives at boundaries only."""
+    while s.step < s.total_steps:
+        lo, n = s.shard_rows(60)
+        x = rng.standard_normal((n, 64)).astype(np.float32) if n else None
+        y = rng.integers(0, 10, n) if n else None
+        s.train_step(x, y, global_count=60)
+        if s.at_boundary():
+            if on_boundary is not None:
+                on_boundary(s)
+            if until is not None and until(s):
+                return
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("consistency", ["asp", "bsp"])
+@pytest.mark.parametrize("asker", ["worker", "server"])
+def test_pause_holds_the_servers_parameters_and_resume_continues_from_them(comm, shared_tmp,
+                                                                          consistency, asker):
+    rng = np.random.default_rng(comm.rank)
+    s = _strategy(comm, shared_tmp, consistency, steps=40)
+    try:
+        # one rank is signalled from the start (rank 0 is a worker, the last rank a server)
+        me = 0 if asker == "worker" else comm.size - 1
+        s.pause_on(lambda: comm.rank == me)
+        _drive(s, rng, until=lambda st: True)
+        stop = s.step
+        comm.check_same(stop, "pause step")
+        assert 0 < stop < s.total_steps
+        held = s.ps.parameters()
+        saved = gather_state(s.state_dict(), comm)
+        flat = np.concatenate([saved.tensors[f"params/{seg.name}"].reshape(-1) for seg in s.layout])
+        np.testing.assert_array_equal(flat, held)              # exactly the servers' parameters
+        assert saved.tensors["ps/clock"].sum() // s.data_size == stop
+    finally:
+        s.close()
+    again = _strategy(comm, shared_tmp, consistency, steps=stop + 6, interval=2)
+    try:
+        again.load_state_dict(saved)
+        assert again.step == stop
+        np.testing.assert_array_equal(again.ps.parameters(), held)
+        if again.worker is not None:
+            np.testing.assert_array_equal(again.worker.pull(), held)   # what the next step uses
+        boundaries = []
+        _drive(again, rng, on_boundary=lambda st: boundaries.append(st.step))
+        comm.check_same(boundaries, "checkpoint steps")
+        if consistency == "bsp":                           # every 2 steps, and the end
+            assert boundaries == sorted({t for t in range(stop + 1, stop + 6) if t % 2 == 0} | {stop + 6})
+        else:                                              # the step may jump over several
+            assert boundaries == sorted(set(boundaries)) and boundaries[-1] == stop + 6
+    finally:
+        again.close()
