@@ -1,19 +1,25 @@
 """Checkpoints of the 'ps' strategy: every rank meets at a step boundary (the interval, or a
 pause some rank asks for), the file holds the servers' shards as the global params/ and
 optim/ tensors plus the worker clocks; resuming (other server counts, from or into dp)
-continues the uninterrupted run."""
+continues the uninterrupted run; SIGTERM to one rank of a ps job checkpoints every rank."""
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
 import pytest
 
-from mpidist.checkpoint import open_checkpoint
+from mpidist.checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, open_checkpoint
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
 from mpidist.engine.strategy import gather_state
+from mpidist.launcher import mpiexec_argv
 from mpidist.ps.strategy import ParameterServerStrategy
+from tests.checkpoint.test_checkpoint_jobs import ROOT, _wait_for, clean_env
 
 META = {"kind": "classification", "in_shape": (64,), "classes": 10}
 
@@ -63,7 +69,6 @@ def test_bsp_resume_equals_uninterrupted_and_moves_to_and_from_dp(comm, shared_t
     bsp = {"strategy": "ps", "consistency": "bsp"}
     _train(comm, shared_tmp, "straight", bsp, 6)
     _train(comm, shared_tmp, "half", bsp, 3, interval=3)
-    _final(comm, shared_tmp, "half", 3)
     with open_checkpoint(os.path.join(shared_tmp, "half", "checkpoints", "ckpt-00000003.h5"),
                          comm=comm) as src:
         assert src.shape("ps/clock") == (comm.size - 1,)
@@ -146,3 +151,55 @@ def test_pause_holds_the_servers_parameters_and_resume_continues_from_them(comm,
             assert boundaries == sorted(set(boundaries)) and boundaries[-1] == stop + 6
     finally:
         again.close()
+
+
+def _rank_pid(tag: str, rank: int) -> int | None:
+    """The pid of `rank` of the job whose environment holds MPIDIST_TEST_TAG=tag."""
+    want = {f"MPIDIST_TEST_TAG={tag}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                if want <= set(fh.read().split(b"\0")):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(240)
+def test_sigterm_to_the_server_checkpoints_every_rank_and_the_job_resumes(tmp_path):
+    """jobs/digits_ps_bsp.toml on 4 ranks (rank 3 is the server): SIGTERM to the server alone
+    -> every rank stops after the same step, writes one checkpoint, exits 75; --resume goes on."""
+    job = os.path.join(ROOT, "jobs", "digits_ps_bsp.toml")
+    out = tmp_path / "run"
+
+    def argv(steps, *extra):
+        return mpiexec_argv(4, [sys.executable, "-m", "mpidist", "train", job, "--out", str(out),
+                                "--set", f"job.steps={steps}", "--set", "job.progress=false",
+                                "--set", "job.plot=false", "--set", "job.target_accuracy=0",
+                                "--set", f"data.cache_dir='{tmp_path}'",
+                                "--set", "parallel.straggler=0.005", *extra])
+
+    env = {**clean_env(4), "MPIDIST_TEST_TAG": str(tmp_path)}
+    proc = subprocess.Popen(argv(100000, "--set", "checkpoint.interval=100000"), env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5, 120,
+                  "a few training steps")
+        os.kill(_rank_pid(str(tmp_path), 3), signal.SIGTERM)
+        text, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == REQUEUE_EXIT_CODE, text[-3000:]
+    steps = CheckpointManager(str(out / "checkpoints")).steps()
+    assert len(steps) == 1 and 5 <= steps[0] < 100000, (steps, text[-2000:])
+    stop = steps[0]
+    resumed = subprocess.run(argv(stop + 4, "--resume"), env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    done = [r["step"] for r in rows if r.get("event") == "step"]
+    assert done[-4:] == list(range(stop + 1, stop + 5)), done[-8:]
