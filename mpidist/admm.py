@@ -33,7 +33,7 @@ from mpidist.collectives import allreduce
 from mpidist.comm import as_communicator
 from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
-                                     build_optimizer_from_config, read_flat, replicated_pieces)
+                                     build_optimizer_from_config, read_params, replicated_pieces)
 from mpidist.errors import ConfigError
 
 __all__ = ["Lasso", "LogisticRegression", "ADMMResult", "consensus_admm", "ADMMStrategy",
@@ -279,7 +279,7 @@ class ADMMStrategy(Strategy):
         return StateDict(self.step, tensors, {"rho": self.rho})
 
     def load_state_dict(self, source) -> None:
-        read_flat(source, "params", self.layout, self.z)
+        read_params(source, self.layout, self.z)
         self.params.data[...] = self.z
         self.u[...] = 0
         self.rho = float(source.scalars.get("rho", self.rho))

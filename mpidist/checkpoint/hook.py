@@ -124,11 +124,13 @@ def _generators(strategy) -> list:
 
 def _expected_shapes(strategy, comm) -> dict:
     """Collective: every model tensor key (params/, optim/) the strategy holds anywhere, with
-    its global shape; run state (compression residuals, ps clocks) is optional."""
+    its global shape; run state (compression residuals, ps clocks) is optional, and so are
+    the fp32 masters of 16-bit parameters (optim/master/: a full-precision checkpoint has
+    none, and read_params takes them from its params/)."""
     from mpidist.engine.strategy import MODEL_PREFIXES
 
     mine = {k: tuple(p.shape) for k, p in strategy.state_dict().tensors.items()
-            if k.startswith(MODEL_PREFIXES)}
+            if k.startswith(MODEL_PREFIXES) and not k.startswith("optim/master/")}
     shapes: dict = {}
     for part in comm.comm.allgather(mine):
         shapes.update(part)

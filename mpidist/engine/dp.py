@@ -9,7 +9,7 @@ import numpy as np
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.distributed import DistributedOptimizer
 from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config, build_optimizer_from_config,
-                                     read_flat, replicated_pieces)
+                                     read_flat, read_params, replicated_pieces)
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.partition import chunk
 
@@ -101,7 +101,7 @@ class DataParallel(Strategy):
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
-        read_flat(source, "params", self.layout, self.params.data)
+        read_params(source, self.layout, self.params.data)
         for name, buf in self.optimizer.state_buffers().items():
             read_flat(source, f"optim/{name}", self.layout, buf)
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))

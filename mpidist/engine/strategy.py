@@ -46,7 +46,7 @@ from mpidist.kernels.backend import get_array_module, to_numpy
 from mpidist.partition import chunk
 
 __all__ = ["Strategy", "StateDict", "TensorPiece", "InMemoryState", "STRATEGIES", "register_strategy",
-           "build_strategy", "strategy_factory", "flat_pieces", "replicated_pieces", "read_flat",
+           "build_strategy", "strategy_factory", "flat_pieces", "replicated_pieces", "read_flat", "read_params",
            "gather_state", "build_model_from_config", "build_optimizer_from_config", "lr_schedule",
            "build_compression", "METRIC_KEYS", "MODEL_PREFIXES"]
 
@@ -169,6 +169,14 @@ def read_flat(source, prefix: str, layout, out, lo: int = 0) -> None:
                              f"the model expects {seg.shape}")
         piece = source.read(key, start - seg.offset, stop - start)
         out[start - lo:stop - lo] = xp.asarray(piece, dtype=out.dtype)
+
+
+def read_params(source, layout, out, lo: int = 0) -> None:
+    """read_flat of the parameters: from the fp32 masters ("optim/master/<name>") where a
+    mixed-precision run wrote them, since its "params/" are rounded to 16 bits; else "params/"."""
+    keys = set(source.keys())
+    masters = all(f"optim/master/{seg.name}" in keys for seg in layout.segments)
+    read_flat(source, "optim/master" if masters else "params", layout, out, lo)
 
 
 def gather_state(sd: StateDict, comm) -> InMemoryState:

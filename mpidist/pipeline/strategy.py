@@ -35,7 +35,7 @@ from mpidist.engine.compression_state import compression_pieces, compression_sca
 from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
                                      build_optimizer_from_config, flat_pieces, read_flat,
-                                     replicated_pieces)
+                                     read_params, replicated_pieces)
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.pipeline.executor import PipelineExecutor
@@ -226,7 +226,7 @@ class PipelineStrategy(Strategy):
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
-        read_flat(source, "params", self.layout, self.params.data)
+        read_params(source, self.layout, self.params.data)
         for name, buf in self.optimizer.state_buffers().items():
             read_flat(source, f"optim/{name}", self.layout, buf, lo=self.offset)
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))

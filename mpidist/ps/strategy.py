@@ -38,7 +38,7 @@ import time
 import numpy as np
 from mpidist.engine.config import check_support
 from mpidist.engine.strategy import (StateDict, Strategy, TensorPiece, build_model_from_config,
-                                     build_optimizer_from_config, flat_pieces, read_flat)
+                                     build_optimizer_from_config, flat_pieces, read_flat, read_params)
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.ps.consistency import Consistency, Straggler, format_histogram
@@ -215,7 +215,7 @@ class ParameterServerStrategy(Strategy):
         keys = set(source.keys())
         error, shard = None, None
         try:
-            read_flat(source, "params", self.layout, self.params.data)
+            read_params(source, self.layout, self.params.data)
             srv = self.ps.server
             clocks = np.full(W, step, np.int64)
             if "ps/clock" in keys and tuple(source.shape("ps/clock")) == (W,):

@@ -28,7 +28,7 @@ from mpi4py import MPI
 from mpidist.collectives import allgather, allreduce
 from mpidist.comm import as_communicator
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
-from mpidist.engine.strategy import StateDict, flat_pieces, read_flat
+from mpidist.engine.strategy import StateDict, flat_pieces, read_flat, read_params
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module
 from mpidist.nn.loss import SoftmaxCrossEntropy
@@ -270,17 +270,14 @@ class ZeroEngine(abc.ABC):
         """Collective: read my shard of every tensor from source (any writer world size)."""
         error = None
         try:
-            shard = self.param_shard()
-            read_flat(source, "params", self.layout, shard, self.offset)
+            read_params(source, self.layout, self.param_shard(), self.offset)
             sd = self.optimizer.state_dict()
             state = {}
             for name, buf in sd["state"].items():
-                try:
+                if name == "master":      # the writer's fp32 masters, or its fp32 parameters
+                    read_params(source, self.layout, buf, self.offset)
+                else:
                     read_flat(source, f"optim/{name}", self.layout, buf, self.offset)
-                except KeyError:
-                    if name != "master":
-                        raise
-                    buf[...] = shard.astype(np.float32)      # written by an fp32 run
                 state[name] = buf
             sd["step"] = int(source.scalars.get("optim_step", source.step))
             sd["state"] = state

@@ -33,9 +33,11 @@ import pytest
 from mpi4py import MPI
 
 from mpidist.checkpoint import open_checkpoint
+from mpidist.checkpoint.hook import make_hook
 from mpidist.comm import Communicator
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
+from mpidist.engine.strategy import build_strategy, gather_state
 from mpidist.engine.metrics import read_metrics
 
 SAVE_AT, STEPS = 4, 7        # 96 training rows / batch 32 = 3 steps per epoch
@@ -212,3 +214,53 @@ def test_dropout_masks_continue_when_resumed_on_the_same_ranks(comm, shared_dir,
     a, b = _steps(straight), _steps(resumed)
     assert sorted(b) == list(range(SAVE_AT + 1, STEPS + 1))
     assert [b[s]["loss"] for s in b] == [a[s]["loss"] for s in b]
+
+
+def _resumed_state(comm, config: dict):
+    """Collective: build config's strategy, resume it through the checkpoint hook, and
+    gather its state whole (InMemoryState) on every rank."""
+    config = {**config, "job": {**config["job"], "total_steps": STEPS, "steps_per_epoch": 3}}
+    strategy = build_strategy(config, comm, {"kind": "classification", "in_shape": [8], "classes": 4})
+    hook = make_hook(config, comm)
+    try:
+        assert hook.resume(strategy)
+    finally:
+        hook.close()
+    state = gather_state(strategy.state_dict(), comm)
+    strategy.close()
+    return state
+
+
+def test_half_precision_zero_and_full_precision_strategies_resume_each_other(comm, shared_dir):
+    """An fp32 dp checkpoint resumes bfloat16 ZeRO (its fp32 masters taken from the fp32
+    params), and that run's checkpoint resumes fp32 dp on another world size from the
+    masters, not from the parameters rounded to 16 bits."""
+    bf16 = {"strategy": "zero", "stage": 2, "dtype": "bfloat16"}
+    data, fp32_run, half = (os.path.join(shared_dir, n) for n in ("data", "fp32", "half"))
+    q = max(1, comm.size - 1)
+    on_first_ranks(comm, comm.size, lambda c: run(job_config(fp32_run, data, {"strategy": "dp"},
+                                                             OPTIMIZERS[0], False), c))
+    if comm.rank == 0:
+        os.makedirs(os.path.join(half, "ckpt"))
+        shutil.copy(os.path.join(fp32_run, "ckpt", f"ckpt-{SAVE_AT:08d}.h5"), os.path.join(half, "ckpt"))
+    with open_checkpoint(os.path.join(half, "ckpt", f"ckpt-{SAVE_AT:08d}.h5"), comm=comm) as src:
+        written = {k: src.read_full(k) for k in src.keys()}
+    got = _resumed_state(comm, job_config(half, data, bf16, OPTIMIZERS[0], True))
+    for key, value in written.items():
+        if key.startswith("params/"):
+            assert np.array_equal(got.tensors["optim/master/" + key[7:]], value), key
+            assert np.array_equal(got.tensors[key], value.astype(got.tensors[key].dtype)), key
+        else:
+            assert np.array_equal(got.tensors[key], value), key
+    run(job_config(half, data, bf16, OPTIMIZERS[0], True), comm)    # on to STEPS, saved there
+
+    back = {}
+    on_first_ranks(comm, q, lambda c: back.update(state=_resumed_state(
+        c, job_config(half, data, {"strategy": "dp"}, OPTIMIZERS[0], True))))
+    with open_checkpoint(os.path.join(half, "ckpt", f"ckpt-{STEPS:08d}.h5"), comm=comm) as src:
+        assert src.world_size == comm.size and src.scalars["param_dtype"] == "bfloat16"
+        masters = {k[len("optim/master/"):]: src.read_full(k) for k in src.keys() if k.startswith("optim/master/")}
+    assert masters
+    if comm.rank < q:
+        for name, value in masters.items():
+            assert np.array_equal(back["state"].tensors[f"params/{name}"], value), name
