@@ -22,6 +22,8 @@ is OPTIMIZERS[(a + b) % 3].
 
 One pytest session of N ranks runs the cells with max(p, q) <= N (all 16 at N = 4), each run
 on a sub-communicator of the first p (then q) ranks while the others sleep at a barrier.
+Two more tests: dropout masks continue on the same ranks and strategy (each rank's
+generators are in the checkpoint), and bfloat16 ZeRO and fp32 dp resume each other.
 """
 import os
 import shutil
