@@ -36,7 +36,7 @@ from mpidist.comm import as_communicator
 from mpidist.compress.base import Compressor, kernels_for
 from mpidist.errors import MismatchError, RemoteError
 from mpidist.kernels.backend import get_array_module, to_numpy
-from mpidist.partition import counts_displs
+from mpidist.partition import chunk, counts_displs
 
 __all__ = ["CompressedAllreduce", "Handle", "bucket_key", "ring_allreduce_bytes", "pack", "unpack"]
 
@@ -274,7 +274,7 @@ class CompressedAllreduce:
         return state
 
     # ---------------------------------------------------------------- agreement
-    def _agree(self, grad, layout, err=None) -> bool:
+    def _agree(self, grad, layout, err=None, extra=None) -> bool:
         """Collective: raise on every rank for any rank's bad input (err: one found before)
         or a mismatch; return whether any rank's gradient holds inf/NaN."""
         sig, bad = None, False
@@ -291,7 +291,7 @@ class CompressedAllreduce:
                                  f"{grad.shape[0]}")
             sig = (self.compressor.config(), self.algorithm, self.warmup_steps,
                    int(grad.shape[0]), str(grad.dtype), self.step,
-                   None if layout is None else [(s.name, s.shape) for s in layout])
+                   None if layout is None else [(s.name, s.shape) for s in layout], extra)
             work = get_array_module(grad).ascontiguousarray(grad, dtype=np.float32)
             bad = not bool(kernels_for(work).all_finite(work.view(np.uint32)))
         except (TypeError, ValueError) as exc:
@@ -309,7 +309,7 @@ class CompressedAllreduce:
             differ = [r for r, s in enumerate(sigs) if s != sigs[self.comm.rank]]
             raise MismatchError(f"compressed allreduce: ranks {differ} differ from rank "
                                 f"{self.comm.rank} in (compressor options, algorithm, "
-                                f"warm-up, length, dtype, call number, layout): "
+                                f"warm-up, length, dtype, call number, layout, range): "
                                 f"{sigs[self.comm.rank]} vs {sigs[differ[0]]}")
         nonfinite = [r for r, (_, _, b) in enumerate(views) if b]
         if nonfinite and self.nonfinite == "raise":
@@ -364,6 +364,49 @@ class CompressedAllreduce:
         self.bytes_sent = ring.sent
         self.total_bytes_sent += ring.sent
         return out.astype(grad.dtype, copy=False)
+
+    def reduce_scatter(self, buf, *, lo: int = 0, n: int | None = None):
+        """My piece of the compressed sum over ranks (ZeRO stages 2 and 3).
+
+        buf: the global range [lo, lo + len(buf)) of an n-element flat gradient (n: default
+        lo + len(buf)) whose shards are chunk(n, rank, size). Returns that range ∩ my chunk
+        as float32: the sum over ranks of each rank's decompressed piece
+        (mpidist.compress.reduce_scatter). Each range (lo, len(buf)) has its own compressor
+        and residual; warm-up, inf/NaN handling and byte counts as for the allreduce.
+        """
+        from mpidist.compress.reduce_scatter import reduce_scatter
+        err = None
+        m = int(buf.shape[0]) if getattr(buf, "ndim", 0) == 1 else 0
+        if n is None and isinstance(lo, (int, np.integer)):
+            n = lo + m
+        if not self.compressor.decodes_alone:
+            err = ValueError(f"compressor {self.compressor.name!r} cannot reduce-scatter: its "
+                             f"payloads only decode once summed over all ranks (use an "
+                             f"allreduce, e.g. ZeRO stage 1)")
+        elif isinstance(lo, bool) or not isinstance(lo, (int, np.integer)) or \
+                isinstance(n, bool) or not isinstance(n, (int, np.integer)) or \
+                not 0 <= lo <= lo + m <= n:
+            err = ValueError(f"reduce_scatter needs 0 <= lo <= lo + len(buf) <= n, got "
+                             f"lo={lo!r}, len(buf)={m}, n={n!r}")
+        skip = self._agree(buf, None, err, extra=(int(lo), int(n)))
+        xp = get_array_module(buf)
+        offset, count = chunk(n, self.comm.rank, self.comm.size)
+        mine = max(0, min(lo + m, offset + count) - max(lo, offset))
+        sent = 0
+        self.last_skipped = skip
+        if skip:
+            self.skipped_steps += 1
+            out = xp.full(mine, np.nan, dtype=np.float32)
+        else:
+            state = self._buffer((int(lo), m))
+            work = xp.ascontiguousarray(buf, dtype=np.float32)
+            raw = state[1] < self.warmup_steps           # warm-up: float32 pieces
+            out, sent = reduce_scatter(self.comm, None if raw else state[0], work, lo, n)
+            state[1] += 1
+        self.step += 1
+        self.bytes_sent = sent
+        self.total_bytes_sent += sent
+        return out
 
     def _gather(self, ring: _Ring, c: Compressor, x, layout):
         """Allgather every rank's payload; decompress and sum them in rank order."""

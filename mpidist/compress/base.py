@@ -74,6 +74,7 @@ class Compressor:
     """
     name = ""
     aggregation = "gather"
+    decodes_alone = True     # each payload decompresses by itself (PowerSGD's do not)
 
     def __init__(self, *, error_feedback: bool, seed: int = 0):
         if not isinstance(error_feedback, (bool, np.bool_)):
@@ -181,9 +182,36 @@ class Compressor:
             return xp.asarray(state)      # loaded from a host checkpoint
         return state
 
+    def compress_pieces(self, x, pieces):
+        """[(payload, ctx)] of each piece (start, count) of x (plus the residual), encoded on
+        its own: one call (one step) whose residual keeps, piece by piece, what that piece's
+        encoding dropped. The pieces tile x in order (the compressed reduce-scatter's one
+        piece per owner, empty ones included)."""
+        ends = [0]
+        for start, count in pieces:
+            ends.append(start + count if start == ends[-1] and count >= 0 else -1)
+        if ends[-1] != x.shape[0]:
+            raise ValueError(f"{self.name}: pieces {pieces} do not tile {x.shape[0]} elements")
+        x = self._begin(x, None)
+        parts = [(start,) + self.encode(x[start:start + count], None) for start, count in pieces]
+        self._end_pieces(x, parts)
+        return [(payload, ctx) for _, payload, ctx in parts]
+
     def _end(self, x, payload, ctx) -> None:
+        self._end_pieces(x, [(0, payload, ctx)])
+
+    def _end_pieces(self, x, parts) -> None:
+        """After x (plus residual) went out as parts [(start, payload, ctx)] that tile it:
+        keep what each dropped, count the call."""
         if self.error_feedback:
-            self.residual = self.residual_of(x, payload, ctx)
+            if len(parts) == 1:
+                self.residual = self.residual_of(x, parts[0][1], parts[0][2])
+            else:
+                r = get_array_module(x).empty_like(x)
+                for start, payload, ctx in parts:
+                    n = ctx["n"]
+                    r[start:start + n] = self.residual_of(x[start:start + n], payload, ctx)
+                self.residual = r
         self.step += 1
 
     # ---------------------------------------------------------------- checkpointing

@@ -62,6 +62,7 @@ class PowerSGD(Compressor):
     """Rank-`rank` PowerSGD over the layout's matrices, error feedback on by default."""
     name = "powersgd"
     aggregation = "linear"
+    decodes_alone = False    # the factors are summed over ranks before they decode
 
     def __init__(self, rank: int = 4, *, error_feedback: bool = True, seed: int = 0):
         super().__init__(error_feedback=error_feedback, seed=seed)

@@ -158,11 +158,12 @@ class Sparsifier(Compressor):
         r[self.sent_indices(payload, ctx)] = 0
         return r
 
-    def _end(self, x, payload, ctx) -> None:
+    def _end_pieces(self, x, parts) -> None:
         # 4. momentum factor masking (the residual update is the base class's)
         if self.masks_velocity:
-            self.velocity[self.sent_indices(payload, ctx)] = 0
-        super()._end(x, payload, ctx)
+            for start, payload, ctx in parts:
+                self.velocity[start + self.sent_indices(payload, ctx).astype(np.int64)] = 0
+        super()._end_pieces(x, parts)
 
     # ---------------------------------------------------------------- checkpointing
     def _extra_state(self) -> dict:

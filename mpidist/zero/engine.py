@@ -75,10 +75,11 @@ class ZeroEngine(abc.ABC):
     max_in_flight: gradient buckets in flight before the oldest is waited for;
     accumulation: micro-batches per step (this rank's rows split by chunk(), as the
     data-parallel strategy splits them; stages 2, 3 reduce each micro-batch's buckets);
-    compression: stage 1 only, a mpidist.compress.CompressedAllreduce over comm: the
-    gradients are summed by it (compressed, error feedback in it) instead of the
-    reduce-scatter, and each rank keeps its shard of the sum (stages 2 and 3 reduce-scatter
-    buckets during backward, which a compressor does not fit).
+    compression: a mpidist.compress.CompressedAllreduce over comm (error feedback in it).
+    Stage 1: the gradients are summed by its allreduce instead of the reduce-scatter, and
+    each rank keeps its shard of the sum; stages 2 and 3: each bucket goes through its
+    compressed reduce-scatter (every piece compressed for its owner, payloads by
+    alltoallv, summed in rank order), once per micro-batch.
     Construction is collective over comm.
     """
     stage = 0
@@ -99,9 +100,6 @@ class ZeroEngine(abc.ABC):
             for what, v in (("max_in_flight", max_in_flight), ("accumulation", accumulation)):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"{what} must be an integer >= 1, got {v!r}")
-            if compression is not None and self.stage != 1:
-                raise ValueError(f"compression works with ZeRO stage 1 only (stage {self.stage} "
-                                 f"reduce-scatters gradient buckets during backward)")
             if compression is not None and not hasattr(compression, "allreduce_async"):
                 raise TypeError(f"compression must be a mpidist.compress.CompressedAllreduce, got "
                                 f"{type(compression).__name__}")
@@ -140,6 +138,11 @@ class ZeroEngine(abc.ABC):
     def _finish_grads(self) -> None:
         """After the last micro-batch (stage 1: the reduce-scatter); then my shard of the
         summed gradients is in self.grad_shard()."""
+
+    def _compressed_buffers(self) -> list[tuple[int, int]]:
+        """(offset, count) of each buffer the compression keeps state for (stage 1: the whole
+        gradient; stages 2, 3: the buckets)."""
+        return [(0, self.layout.numel)]
 
     @abc.abstractmethod
     def _publish_params(self) -> None:
@@ -261,7 +264,7 @@ class ZeroEngine(abc.ABC):
             tensors.update(flat_pieces(f"optim/{state}", self.layout, buf, self.offset))
         scalars = {"optim_step": self.optimizer.step_count, "zero_stage": self.stage,
                    "param_dtype": str(self.dtype)}
-        if self.compression is not None:      # stage 1: this rank's residuals, one row per rank
+        if self.compression is not None:      # this rank's residuals, one row per rank
             tensors.update(compression_pieces(self.compression, self.layout, self.comm.rank, self.comm.size))
             scalars["compression"] = compression_scalars(self.compression)
         return StateDict(self.step, tensors, scalars)
@@ -283,7 +286,7 @@ class ZeroEngine(abc.ABC):
             sd["state"] = state
             self.optimizer.load_state_dict(sd)
             if self.compression is not None:
-                restore_compression(self.compression, source, self.layout, [(0, self.layout.numel)],
+                restore_compression(self.compression, source, self.layout, self._compressed_buffers(),
                                     self.comm.rank, self.comm.size)
             self.step = int(source.step)
         except (KeyError, TypeError, ValueError) as exc:

@@ -4,7 +4,8 @@
     2. backward: each layer's gradients go to a bucket buffer; when a bucket is complete it
        is reduce-scattered onto its owners at once (nonblocking, overlapping the backward of
        the layers before it) and freed when done, so a rank holds its gradient shard plus
-       at most `max_in_flight` buckets
+       at most `max_in_flight` buckets (with compression: the bucket's compressed
+       reduce-scatter, mpidist.compress.reduce_scatter, before backward goes on)
     3. the optimizer updates my shard
     4. allgather of the updated shards into the whole parameter buffer
 
@@ -13,13 +14,17 @@ Adam, plus the buckets in flight.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
 
 from mpidist.collectives import allgather
 from mpidist.flat import FlatBuffer
 from mpidist.zero.engine import ZeroEngine
-from mpidist.zero.exchange import reduce_scatter_start
+from mpidist.zero.exchange import Pending, reduce_scatter_start
 from mpidist.zero.units import LayerHooks
 
 __all__ = ["Stage2", "GradBuckets"]
@@ -97,15 +102,32 @@ class GradBuckets:
         if b.remaining == 0:
             self._launch(b)
 
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """(offset, count) of every bucket in the flat layout."""
+        return [(b.lo, b.hi - b.lo) for b in self.buckets]
+
     def _launch(self, b: _Bucket) -> None:
         start, mine = self.e.shards.mine(b.lo, b.hi)
         out = self.grad_shard[start - self.e.offset:start - self.e.offset + mine]
-        b.pending = reduce_scatter_start(self.e.comm, self.e.shards, b.buf, b.lo, out=out)
+        if self.e.compression is None:
+            b.pending = reduce_scatter_start(self.e.comm, self.e.shards, b.buf, b.lo, out=out)
+        else:
+            b.pending = self._compressed(b, out)
         self.e.inflight.add(*b.pending.buffers)
         b.launched = True
         self.queue.append(b)
         while len(self.queue) > self.e.max_in_flight:
             self._retire()
+
+    def _compressed(self, b: _Bucket, out) -> Pending:
+        """The bucket's compressed reduce-scatter (blocking: a compressor does not overlap);
+        my piece is added into out. Half-precision gradients are compressed from float32."""
+        t = time.perf_counter()
+        g = b.buf if b.buf.dtype == np.float32 else b.buf.astype(np.float32)
+        out[...] += self.e.compression.reduce_scatter(g, lo=b.lo, n=self.e.layout.numel)
+        self.e._t_comm += time.perf_counter() - t
+        return Pending(MPI.REQUEST_NULL, lambda: out, ())
 
     def _retire(self) -> None:
         b = self.queue.popleft()
@@ -148,6 +170,9 @@ class Stage2(ZeroEngine):
 
     def param_shard(self):
         return self.params.data[self.offset:self.offset + self.count]
+
+    def _compressed_buffers(self) -> list[tuple[int, int]]:
+        return self.grads.ranges
 
     def grad_shard(self):
         return self.grads.grad_shard

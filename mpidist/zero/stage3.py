@@ -141,5 +141,8 @@ class Stage3(ZeroEngine):
     def grad_shard(self):
         return self.grads.grad_shard
 
+    def _compressed_buffers(self) -> list[tuple[int, int]]:
+        return self.grads.ranges
+
     def _held(self):
         return [self.pshard], self.grads.held

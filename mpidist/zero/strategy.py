@@ -1,6 +1,8 @@
 """`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, dtype, bucket_mb,
-accumulation; with stage = 1 also compression (compression_options, compression_warmup):
-the gradients are summed by the compressed allreduce, as the dp strategy with bucket_mb = 0.
+accumulation, compression (compression_options, compression_warmup, compression_allreduce):
+stage 1 sums the gradients by the compressed allreduce, as the dp strategy with
+bucket_mb = 0; stages 2 and 3 send each bucket by the compressed reduce-scatter (not
+powersgd).
 
 dtype = "bfloat16" or "float16" keeps parameters and gradients in two bytes with fp32
 master weights in the optimizer (mixed precision); inputs stay fp32, so NumPy multiplies
@@ -41,7 +43,7 @@ class ZeroStrategy(Strategy):
             stage = check_stage(p["stage"])
         except ValueError as exc:
             raise ConfigError(f"[parallel] {exc}") from None
-        check_support(config)       # compression: stage 1 only
+        check_support(config)       # compression: not powersgd at stages 2, 3
 
         def make_optimizer(layout, offset, count, dtype):
             return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"],

@@ -103,7 +103,7 @@ def test_mixed_precision_from_the_config(comm):
 
 def test_zero_strategy_checks_its_keys(comm):
     with pytest.raises(ConfigError, match="compression"):
-        build_strategy(config("zero", stage=2, compression="topk"), comm, META)
+        build_strategy(config("zero", stage=2, compression="powersgd"), comm, META)
     with pytest.raises(ConfigError, match="stage"):
         validate({"parallel": {"strategy": "zero", "stage": 4}})
 
