@@ -13,9 +13,9 @@ META = {"kind": "classification", "in_shape": [7], "classes": 3}
 BATCH = 10
 
 
-def config(strategy, **parallel):
+def config(strategy, batch=BATCH, **parallel):
     raw = {"job": {"seed": 3, "steps": 4}, "model": {"name": "mlp", "hidden": [5, 6]},
-           "data": {"dataset": "synthetic", "features": 7, "classes": 3, "batch_size": BATCH},
+           "data": {"dataset": "synthetic", "features": 7, "classes": 3, "batch_size": batch},
            "optim": {"name": "lamb", "lr": 0.01, "hyper": {"weight_decay": 0.01},
                      "schedule": "cosine", "warmup_steps": 2},
            "parallel": {"strategy": strategy, "algorithm": "ring", **parallel}}
@@ -93,3 +93,16 @@ def test_resumed_from_a_state_dict_follows_the_uninterrupted_run(comm, stage):
 def test_powersgd_is_refused_at_stages_2_and_3(comm):
     with pytest.raises(ConfigError, match="'powersgd' works with zero stage = 1 only"):
         build_strategy(config("zero", stage=2, compression="powersgd"), comm, META)
+
+
+@pytest.mark.parametrize("strategy,extra", [("dp", {}), ("zero", {"stage": 1}),
+                                            ("pipeline", {"stages": 1, "microbatches": 1})])
+def test_compression_allreduce_reaches_every_strategy(comm, strategy, extra):
+    """[parallel] compression_allreduce picks the compressed allreduce's algorithm; auto is
+    the format's own."""
+    for how, want in (("ring", "ring"), ("auto", "gather")):
+        s = build_strategy(config(strategy, batch=12, compression="sign",   # 12: splits over 1-4
+                                  compression_allreduce=how, **extra), comm, META)
+        ca = {"dp": lambda: s.dopt.compressed, "zero": lambda: s.engine.compression,
+              "pipeline": lambda: s.compressed}[strategy]()
+        assert ca.algorithm == want
