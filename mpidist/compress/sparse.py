@@ -15,8 +15,9 @@ Invariant (every call, with or without masking): sum of what was sent + v = sum 
 
 Momentum correction moves the momentum in front of the compression: with SGD or LARS,
 set the optimizer's own momentum to 0 (the config rejects both). Adaptive optimizers
-(AdamW, LAMB) take the sent velocity as their gradient; their per-element normalisation
-makes its 1/(1-m) scale harmless.
+(AdamW, LAMB) take the sent velocity as their gradient (their per-element normalisation
+absorbs its 1/(1-m) scale), on top of their own first moment: it runs, but on the main
+job (LAMB) it trained worse than plain error feedback; it is meant for momentum SGD.
 
 warmup: stages [[ratio, calls], ...] run before `ratio`, e.g. DGC's exponential ramp
 [[0.25, 11], [0.0625, 11], [0.015625, 11]] (one stage per epoch of 11 steps): dense
