@@ -129,10 +129,11 @@ class ParameterServerStrategy(Strategy):
         else:                              # steps' worth of updates, by all workers
             self.step = min(max(self.step, self.worker.global_clock()), self.total_steps)
         # 4. the end of a segment: the run's end, a checkpoint step, or an asked-for pause
+        #    (neither without an interval or a pause_on: a run without checkpoints)
         if self.step >= self.total_steps:
             self.worker.finish()
             self._meet()
-        else:
+        elif self.interval or self._requested is not None:
             scheduled = bool(self.interval) and \
                 self.step // self.interval > self._segment_start // self.interval
             if self._asked() or (scheduled and self.ps.consistency.model != "bsp"):
