@@ -96,8 +96,10 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     guard.check(c, signature, error)
     if algorithm != "auto":
         return c, x, y, opx, algorithm
-    return c, x, y, opx, select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) \
-        if x.size else "native"
+    if not x.size:
+        return c, x, y, opx, "native"
+    # the bytes reduced: half precision is widened to float32 (the only 2-byte dtypes)
+    return c, x, y, opx, select.choose(c, x.nbytes if x.itemsize > 2 else 2 * x.nbytes)
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:

@@ -183,7 +183,7 @@ class CostModel:
 
     def __init__(self, levels: dict, nodes: int, per_node: int):
         self.levels, self.nodes, self.per_node = levels, nodes, per_node
-        self._choices: dict[int, str] = {}
+        self.decisions: dict[int, str] = {}        # nbytes -> choose(nbytes), as met
 
     def candidates(self) -> list[str]:
         names = [a for a in FLAT if a in self.levels["world"]["fits"]]
@@ -214,12 +214,12 @@ class CostModel:
 
     def choose(self, nbytes: int) -> str:
         """The cheapest candidate (ties: the earlier one in candidates())."""
-        pick = self._choices.get(nbytes)
+        pick = self.decisions.get(nbytes)
         if pick is None:
             pick = "native" if self.levels["world"]["p"] == 1 else \
                 min(self.candidates(), key=lambda a: self.predict(a, nbytes))
-            if len(self._choices) < 4096:
-                self._choices[nbytes] = pick
+            if len(self.decisions) < 4096:
+                self.decisions[nbytes] = pick
         return pick
 
     def to_json(self) -> dict:

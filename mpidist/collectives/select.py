@@ -16,10 +16,12 @@ __all__ = ["choose", "explain", "main", "parse_size"]
 
 def choose(comm, nbytes: int) -> str:
     """The algorithm "auto" runs for nbytes on comm; the same on every rank.
-    Collective the first time a communicator asks (the model is loaded or probed)."""
-    last = costmodel.last_model()
-    model = last[1] if last[0] is comm else costmodel.get_model(comm)
-    return model.choose(nbytes)
+    Collective the first time a communicator asks (the model is loaded or probed); then a
+    lookup in the model's decisions (one per nbytes), a fraction of a microsecond."""
+    last_comm, model = costmodel.last_model()
+    if last_comm is not comm:
+        model = costmodel.get_model(comm)
+    return model.decisions.get(nbytes) or model.choose(nbytes)
 
 
 def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:
