@@ -7,8 +7,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 log() { echo "[setup] $*" >&2; }
 
-# 1. Debian packages (Open MPI 4.1 and HDF5 1.10 with MPI-IO)
-debs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config)
+# 1. Debian packages (Open MPI 4.1, HDF5 1.10 with MPI-IO, and h5dump to read checkpoints)
+debs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config)
 missing=()
 for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

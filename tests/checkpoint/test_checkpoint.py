@@ -5,6 +5,7 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import tempfile
 
 import h5py
@@ -85,6 +86,13 @@ def test_round_trip_and_reshard(comm, shared_dir):
             assert np.array_equal(f["tensors/params/fc1.weight"][...], full["params/fc1.weight"])
             layout = f["tensors/optim/exp_avg/fc1.weight"].attrs["layout"]
             assert sorted(layout[:, 0]) == list(range(comm.size)) and layout[:, 2].sum() == 91
+        # ... and so does HDF5's own h5dump (Debian's hdf5-tools, installed by setup_env.sh)
+        dump = subprocess.run(["h5dump", "-m", "%.9g", "-d", "/tensors/params/fc1.weight", path],
+                              capture_output=True, text=True, timeout=60)
+        assert dump.returncode == 0, dump.stderr
+        assert "DATASPACE  SIMPLE { ( 13, 7 ) / ( 13, 7 ) }" in dump.stdout
+        first = float(dump.stdout.split("(0,0):")[1].split(",")[0])
+        assert first == pytest.approx(float(full["params/fc1.weight"][0, 0]), rel=1e-6)
     assert not any(name.endswith(".tmp") for name in os.listdir(shared_dir))
 
 
