@@ -8,6 +8,12 @@ of the makespan it did not compute, so the measured bubble is
     bubble = mean over ranks of idle / makespan
 
 which an ideal pipeline of uniform stages makes (p - 1) / (v m + p - 1).
+
+`replay` splits the distance from that ideal in two: it re-runs the ranks' programs with
+the compute times they measured but free, instant transfers. The ideal-to-replay part
+comes from the compute itself (stages that are not quite uniform, jitter of one op on
+one rank holding up its neighbour); the replay-to-measured part is the executor's own
+cost between computes (transfers, Python dispatch).
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import numpy as np
 
 from mpidist.pipeline.executor import StepStats
 
-__all__ = ["summarize", "gather_events", "plot_timeline"]
+__all__ = ["summarize", "gather_events", "replay", "plot_timeline"]
 
 
 def summarize(stats: StepStats, comm) -> dict:
@@ -42,6 +48,38 @@ def summarize(stats: StepStats, comm) -> dict:
 def gather_events(stats: StepStats, comm, root: int = 0) -> list[list] | None:
     """Collective: every rank's (kind, microbatch, stage, t0, t1) events on root, else None."""
     return comm.comm.gather(stats.events, root=root)
+
+
+def replay(events_by_rank: list[list]) -> dict:
+    """The step again with the measured compute durations, each compute starting as soon
+    as its rank's previous compute and its input's producer (forward of the stage before,
+    backward of the stage after) have finished: {"makespan", "bubble"}."""
+    durations = [[(kind, mb, stage, t1 - t0) for kind, mb, stage, t0, t1 in ev]
+                 for ev in events_by_rank]
+    last = max((e[2] for ev in durations for e in ev), default=0)
+    done: dict[tuple, float] = {}
+    clock = [0.0] * len(durations)
+    nxt = [0] * len(durations)
+    while any(i < len(ev) for i, ev in zip(nxt, durations)):
+        moved = False
+        for r, ev in enumerate(durations):
+            while nxt[r] < len(ev):
+                kind, mb, stage, d = ev[nxt[r]]
+                producer = ((kind, mb, stage - 1) if kind == "F" and stage > 0 else
+                            (kind, mb, stage + 1) if kind == "B" and stage < last else None)
+                if producer is not None and producer not in done:
+                    break
+                clock[r] = max(clock[r], done.get(producer, 0.0)) + d
+                done[(kind, mb, stage)] = clock[r]
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the events cannot be replayed: a compute waits for one that "
+                             "never ran")
+    makespan = max(clock)
+    busy = [sum(e[3] for e in ev) for ev in durations]
+    bubble = float(np.mean([makespan - b for b in busy]) / makespan) if makespan > 0 else 0.0
+    return {"makespan": makespan, "bubble": bubble}
 
 
 def plot_timeline(events_by_rank: list[list], path: str, title: str = "", virtual: int = 1,
