@@ -8,7 +8,8 @@ of a window all ranks of the node can read, then:
 2. reduce: chunk(n, rank, size) of every rank's slice, block by block (the running sum
    stays in cache), into my own slice; the one reduced copy of that chunk;
 3. gather: barrier; copy every rank's reduced chunk straight out of its slice.
-Memory traffic per rank: about 2n + (p+1)/p n + 2n bytes against the ring's 8n or so, and
+Memory traffic per rank: about 2n + (p+1)/p n + 2(p-1)/p n bytes (my reduced chunk goes to
+recvbuf straight from cache) against the ring's 8n or so, and
 three barriers instead of 2(p-1) handshaking steps. Each chunk is reduced by one rank in
 rank order, so every rank ends with the same bits.
 
@@ -78,9 +79,11 @@ def _barrier(comm, w: _Window) -> None:
     w.win.Sync()
 
 
-def _reduce_chunk(comm, part, lo_r: int, hi_r: int, op: Op, dst) -> None:
+def _reduce_chunk(comm, part, lo_r: int, hi_r: int, op: Op, dst, *,
+                  finalize_n: int | None = None, copy_to=None) -> None:
     """dst = elements [lo_r, hi_r) reduced over every rank's slice, in rank order, one
-    cache-sized block at a time (dst may be my own slice's range)."""
+    cache-sized block at a time (dst may be my own slice's range); each block finalized
+    over finalize_n contributors and also stored into copy_to while it is in cache."""
     p, dt = comm.size, dst.dtype
     block = max(1, _BLOCK_BYTES // dt.itemsize)
     tmp = scratch(comm, 40, min(block, hi_r - lo_r), dt)
@@ -90,6 +93,10 @@ def _reduce_chunk(comm, part, lo_r: int, hi_r: int, op: Op, dst) -> None:
         op.ufunc(part[0][lo:hi], part[1][lo:hi], out=acc if p > 2 else out)
         for k in range(2, p):
             op.ufunc(acc, part[k][lo:hi], out=acc if k < p - 1 else out)
+        if finalize_n is not None:
+            op.finalize(out, finalize_n)
+        if copy_to is not None:
+            copy_to[lo - lo_r:hi - lo_r] = out
 
 
 def _slices(comm, n: int, dt):
@@ -97,13 +104,13 @@ def _slices(comm, n: int, dt):
     return w, [s[:n * dt.itemsize].view(dt) for s in w.slices]
 
 
-def _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op: Op, out) -> None:
+def _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op: Op, out, **block_options) -> None:
     """Publish my input in my slice (once everyone has finished reading the previous call's
     results), then reduce elements [lo, hi) over every rank's copy into out."""
     _barrier(comm, w)
     part[comm.rank][...] = sendbuf
     _barrier(comm, w)
-    _reduce_chunk(comm, part, lo, hi, op, out)
+    _reduce_chunk(comm, part, lo, hi, op, out, **block_options)
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):
@@ -113,14 +120,17 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     p, r = comm.size, comm.rank
     counts, displs = counts_displs(len(sendbuf), p)
     w, part = _slices(comm, len(sendbuf), sendbuf.dtype)
-    # 1.-2. publish my input, reduce my chunk over every rank's copy into my own slice
+    # 1.-2. publish my input, reduce my chunk over every rank's copy into my own slice,
+    #       and into my place in recvbuf while each block is in cache (my input is
+    #       published by then, so recvbuf may be sendbuf)
     lo, hi = displs[r], displs[r] + counts[r]
-    _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op, part[r][lo:hi])
-    op.finalize(part[r][lo:hi], p)
-    # 3. gather every rank's reduced chunk
+    _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op, part[r][lo:hi],
+                        finalize_n=p, copy_to=recvbuf[lo:hi])
+    # 3. gather the other ranks' reduced chunks
     _barrier(comm, w)
     for j in range(p):
-        recvbuf[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
+        if j != r:
+            recvbuf[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
     return recvbuf
 
 
@@ -131,9 +141,8 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     p, r = comm.size, comm.rank
     counts, displs = counts_displs(len(sendbuf), p)
     w, part = _slices(comm, len(sendbuf), sendbuf.dtype)
-    _publish_and_reduce(comm, w, part, sendbuf, displs[r], displs[r] + counts[r], op, shard)
-    if finalize_n is not None:
-        op.finalize(shard, finalize_n)
+    _publish_and_reduce(comm, w, part, sendbuf, displs[r], displs[r] + counts[r], op, shard,
+                        finalize_n=finalize_n)
     return shard
 
 
