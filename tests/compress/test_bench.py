@@ -43,6 +43,20 @@ def test_time_to_accuracy_reads_the_first_eval_within(tmp_path, comm):
     assert _time_to(str(path), 0.99, comm) == (None, None)
     row = {"test_accuracy": 0.9415, "gap_pp": -3.62, "epochs": 12, "train_s": 5.0,
            "epochs_to_within": None, "seconds_to_within": None, "options": {"ratio": 0.01}}
-    text = "\n".join(_tta_table("job.toml", {"topk 1%": row}))
+    text = "\n".join(_tta_table("job.toml", {"topk 1%": row}, 3.0))
+    assert "compressed runs get 3x the epochs" in text
     assert "94.15   -3.62      12                -        -" in text
     assert 'topk 1%: {"ratio": 0.01}' in text
+
+
+def test_time_to_accuracy_gives_compressed_runs_the_budget(tmp_path, comm, monkeypatch):
+    """The uncompressed reference trains the job's epochs; each compressed run trains
+    budget times as many, and is measured against that reference."""
+    from mpidist.bench import compress as bench
+    monkeypatch.setattr(bench, "TTA_CONFIGS", [("fp16", "fp16", {})])
+    out = comm.comm.bcast(str(tmp_path) if comm.rank == 0 else None, root=0)
+    job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "digits_lamb.toml")
+    rows = bench._tta(comm, job, out, {"job.epochs": 1, "checkpoint.interval": 0}, budget=2.0)
+    assert rows["uncompressed"]["epochs"] == 1 and rows["fp16"]["epochs"] == 2
+    ref = rows["uncompressed"]["test_accuracy"]
+    assert rows["fp16"]["gap_pp"] == pytest.approx(100 * (rows["fp16"]["test_accuracy"] - ref))
