@@ -9,8 +9,9 @@ of layers) of --size-mb MiB in all, each rank holding its chunk() of every tenso
 Phases, each repeated --repeat times (best and median reported):
   1. plain: rank 0 writes all the bytes with numpy.tofile into one file, then fsync
      (the other ranks wait in a barrier)
-  2. write: CheckpointManager.save on every rank: collective MPI-IO, CRC-32 of every
-     slice, fsync, atomic rename
+  2. write: CheckpointManager.save on every rank: MPI-IO as --io says (default auto:
+     collective across nodes, independent within one), CRC-32 of every slice, fsync,
+     atomic rename
   3. read: open_checkpoint (verifies every tensor's CRC, each rank reading its chunk), then
      every rank reads its chunk() of every tensor, as a resuming ZeRO job does
 ratio = plain seconds / checkpoint write seconds (the target is >= 0.7).
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=1024.0, help="MiB of state in all (default 1024)")
     p.add_argument("--tensors", type=int, default=24, help="number of tensors (default 24)")
     p.add_argument("--repeat", type=int, default=3, help="repetitions of each phase (default 3)")
-    p.add_argument("--independent", action="store_true", help="independent instead of collective MPI-IO")
+    p.add_argument("--io", choices=("auto", "collective", "independent"), default="auto",
+                   help="MPI-IO writes (default auto: collective across nodes, independent "
+                        "within one)")
     p.add_argument("--no-fsync", action="store_true",
                    help="neither write is fsync'ed (compares page-cache writes, less noisy on a "
                         "shared disk; default: both are made durable)")
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     c.Barrier()
     state = bench_state(int(a.size_mb * 2**20), a.tensors, comm.rank, comm.size)
     nbytes = c.allreduce(sum(t.data.nbytes for t in state.values()))
-    mgr = CheckpointManager(scratch, keep=1, comm=comm, collective=not a.independent,
+    collective = {"auto": comm.num_nodes > 1, "collective": True, "independent": False}[a.io]
+    mgr = CheckpointManager(scratch, keep=1, comm=comm, collective=collective,
                             fsync=not a.no_fsync)
     plain_buf = np.random.default_rng(99).random(nbytes // 4, dtype=np.float32) if comm.rank == 0 else None
     times: dict = {"plain": [], "write": [], "read": []}
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     # each repeat writes plain then checkpoint back to back: their ratio sees the same disk load
     ratio_pairs = statistics.median(p / w for p, w in zip(times["plain"], times["write"]))
     print(f"mpidist bench checkpoint: {comm.size} ranks, {gib:.3f} GiB in {len(state)} tensors, "
-          f"{'independent' if a.independent else 'collective'} MPI-IO, "
+          f"{'collective' if collective else 'independent'} MPI-IO ({a.io}), "
           f"{'no fsync' if a.no_fsync else 'fsync'}, {a.repeat} repeats, "
           f"scratch {os.path.abspath(scratch)}")
     print(f"{'phase':<8} {'best s':>8} {'median s':>9} {'GiB/s best':>11} {'GiB/s median':>13}")
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     with open(os.path.join(a.out, "checkpoint.json"), "w") as fh:
         json.dump({"ranks": comm.size, "bytes": nbytes, "tensors": len(state),
-                   "collective": not a.independent, "repeat": a.repeat, "times": times,
+                   "collective": collective, "repeat": a.repeat, "times": times,
                    "fsync": not a.no_fsync, "ratio_best": ratio_best, "ratio_median": ratio_med,
                    "ratio_pairs_median": ratio_pairs, "rows": rows}, fh, indent=1)
     return 0

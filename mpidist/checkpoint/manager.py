@@ -25,12 +25,13 @@ class CheckpointManager:
     """Collective over comm: save(step, tensors, ...), open_latest(), steps().
 
     directory: where checkpoints live (created by rank 0); keep: how many to keep (>= 1);
-    prefix: file name prefix; collective: collective MPI-IO writes; fsync: make each file
-    durable before it is renamed into place.
+    prefix: file name prefix; collective: collective or independent MPI-IO writes (default:
+    collective across nodes, independent within one; see write_checkpoint); fsync: make
+    each file durable before it is renamed into place.
     """
 
     def __init__(self, directory: str, *, keep: int = 3, prefix: str = "ckpt", comm=None,
-                 collective: bool = True, fsync: bool = True):
+                 collective: bool | None = None, fsync: bool = True):
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:

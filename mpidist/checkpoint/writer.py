@@ -32,19 +32,26 @@ _SPACE_MARGIN = 1.02          # room asked for beyond the tensor bytes (HDF5 met
 def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
                      scalars: dict | None = None,
                      meta: dict | None = None, rank_meta=None, comm=None,
-                     collective: bool = True, fsync: bool = True) -> str:
+                     collective: bool | None = None, fsync: bool = True) -> str:
     """Collective: write `tensors` to the HDF5 file `path`, atomically; returns path.
 
     step, epoch: where training stands; scalars: small JSON-able state the same on all
     ranks (optimizer step count, ...; rank 0's); meta: a JSON-able description (config,
     strategy, data-loader position, ...; rank 0's); rank_meta: JSON-able per-rank state
-    (RNG states), stored as a list indexed by rank. collective: use collective MPI-IO writes (else independent).
+    (RNG states), stored as a list indexed by rank. collective: collective MPI-IO writes,
+    or independent ones; default: collective when the ranks span several nodes, whose
+    shared filesystem gains from two-phase I/O (fewer, aligned writers), independent
+    within one node, where every write meets the same page cache and the aggregation's
+    shuffle between ranks is only an extra copy (1 GiB on 4 ranks here: 1.9-2.0 s against
+    2.3-2.8 s, best of 3).
     The file is written as `.<name>.tmp` in the same directory, flushed, fsync'ed and
     renamed, so `path` is either the previous file or the complete new one. A failure on any
     rank (bad input, full disk) raises CheckpointError/ValueError on every rank and leaves
     no partial file.
     """
     c = as_communicator(comm)
+    if collective is None:
+        collective = c.num_nodes > 1
     # 1. local checks: what do I hold, is everything serialisable
     err, local = None, {}
     try:

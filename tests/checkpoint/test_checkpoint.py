@@ -17,6 +17,7 @@ from mpidist.checkpoint import (CheckpointError, CheckpointManager, CorruptCheck
                                 IncompatibleCheckpointError, Preemption, inspect_checkpoint,
                                 open_checkpoint, write_checkpoint)
 from mpidist.checkpoint import writer as writer_module
+from mpidist.comm import Communicator
 from mpidist.partition import chunk
 
 
@@ -104,6 +105,22 @@ def test_independent_io_gives_the_same_file_content(comm, shared_dir):
                          collective=collective)
     a, b = (inspect_checkpoint(p)["tensors"] for p in paths)
     assert {k: v["crc32"] for k, v in a.items()} == {k: v["crc32"] for k, v in b.items()}
+
+
+@pytest.mark.parametrize("ranks_per_node", [None, 1])
+def test_io_mode_defaults_to_collective_across_nodes_only(comm, shared_dir, monkeypatch,
+                                                          ranks_per_node):
+    topo = Communicator(comm.comm, ranks_per_node=ranks_per_node)
+    seen = []
+    real = writer_module._write_file
+    monkeypatch.setattr(writer_module, "_write_file",
+                        lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    path = os.path.join(shared_dir, f"io{ranks_per_node}.h5")
+    write_checkpoint(path, my_pieces(global_tensors(), comm.rank, comm.size), step=1, comm=topo)
+    assert seen == [topo.num_nodes > 1]
+    with open_checkpoint(path, comm=topo) as src:
+        assert src.step == 1
+    topo.free()
 
 
 def test_manager_keeps_last_k_and_falls_back_over_damaged_files(comm, shared_dir):
