@@ -14,7 +14,9 @@ The suite runs with plain `pytest` (one rank) and under `mpiexec -n N python -m 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 from mpi4py import MPI
@@ -120,6 +122,17 @@ def comm():
     c = Communicator()
     yield c
     c.free()
+
+
+@pytest.fixture
+def shared_dir(comm):
+    """One temporary directory, the same path on every rank, removed afterwards."""
+    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-test-") if comm.rank == 0 else None,
+                           root=0)
+    yield path
+    comm.comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

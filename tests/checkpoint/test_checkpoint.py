@@ -6,7 +6,6 @@ import resource
 import shutil
 import signal
 import subprocess
-import tempfile
 
 import h5py
 import ml_dtypes
@@ -24,16 +23,6 @@ from mpidist.partition import chunk
 class Piece:
     def __init__(self, shape, offset, data):
         self.shape, self.offset, self.data = shape, offset, data
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = tempfile.mkdtemp(prefix="mpidist-ckpt-") if comm.rank == 0 else None
-    path = comm.comm.bcast(path, root=0)
-    yield path
-    comm.comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def global_tensors(seed=0):

@@ -27,7 +27,6 @@ generators are in the checkpoint), and bfloat16 ZeRO and fp32 dp resume each oth
 """
 import os
 import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -143,15 +142,6 @@ def on_first_ranks(world: Communicator, n: int, fn) -> None:
     while not done.Test():
         time.sleep(0.002)
     world.raise_if_any(error)
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-resume-") if comm.rank == 0 else None, root=0)
-    yield path
-    comm.comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _steps(out_dir: str) -> dict:

@@ -1,7 +1,5 @@
 """Sampler coverage at any world size, parallel-HDF5 shard reads, importers (real MPI ranks)."""
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -11,16 +9,6 @@ from mpidist.data import (DistributedSampler, H5Dataset, H5TextDataset, epoch_or
 from mpidist.errors import RemoteError
 
 SAMPLE_TEXT = os.path.join(os.path.dirname(__file__), "..", "..", "data", "sample.txt")
-
-
-@pytest.fixture
-def shared_dir(comm):
-    """One temporary directory, the same path on every rank, removed afterwards."""
-    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-data-") if comm.rank == 0 else None, root=0)
-    yield path
-    comm.comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("n,batch,drop_last", [(23, 5, True), (23, 5, False), (7, 7, True), (9, 4, False)])

@@ -2,8 +2,6 @@
 global batch, and the run leaves metrics and summary (the plot: test_train_job)."""
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -13,15 +11,6 @@ from mpidist.comm import Communicator
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
 from mpidist.engine.metrics import read_metrics
-
-
-@pytest.fixture
-def shared_dir(comm):
-    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-loop-") if comm.rank == 0 else None, root=0)
-    yield path
-    comm.comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _cfg(out_dir, cache_dir, plot):

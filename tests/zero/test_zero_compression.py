@@ -5,23 +5,9 @@ residuals and the velocity; PowerSGD is refused."""
 import numpy as np
 import pytest
 
-from mpidist.engine.config import validate
 from mpidist.engine.strategy import build_strategy, gather_state
 from mpidist.errors import ConfigError
-
-META = {"kind": "classification", "in_shape": [7], "classes": 3}
-BATCH = 10
-
-
-def config(strategy, batch=BATCH, **parallel):
-    raw = {"job": {"seed": 3, "steps": 4}, "model": {"name": "mlp", "hidden": [5, 6]},
-           "data": {"dataset": "synthetic", "features": 7, "classes": 3, "batch_size": batch},
-           "optim": {"name": "lamb", "lr": 0.01, "hyper": {"weight_decay": 0.01},
-                     "schedule": "cosine", "warmup_steps": 2},
-           "parallel": {"strategy": strategy, "algorithm": "ring", **parallel}}
-    cfg = validate(raw)
-    cfg["job"]["total_steps"], cfg["job"]["steps_per_epoch"] = 4, 4
-    return cfg
+from tests.zero.test_zero_strategy import BATCH, META, config
 
 
 def run(strategy, comm, steps=4, seed=0):

@@ -18,9 +18,10 @@ META = {"kind": "classification", "in_shape": [7], "classes": 3}
 BATCH = 10
 
 
-def config(strategy, **parallel):
+def config(strategy, batch=BATCH, **parallel):
+    """A validated 4-step LAMB job on synthetic data, for `strategy` with [parallel] keys."""
     raw = {"job": {"seed": 3, "steps": 4}, "model": {"name": "mlp", "hidden": [5, 6]},
-           "data": {"dataset": "synthetic", "features": 7, "classes": 3, "batch_size": BATCH},
+           "data": {"dataset": "synthetic", "features": 7, "classes": 3, "batch_size": batch},
            "optim": {"name": "lamb", "lr": 0.01, "hyper": {"weight_decay": 0.01},
                      "schedule": "cosine", "warmup_steps": 2},
            "parallel": {"strategy": strategy, "algorithm": "ring", **parallel}}
