@@ -91,12 +91,17 @@ def cma_permitted() -> bool:
         return False
 
 
+def without_job_variables(env: dict) -> dict:
+    """env less the MPI job's wiring (OMPI_, OPAL_, PMIX_, PMI_ variables): as from a shell."""
+    return {k: v for k, v in env.items() if not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_"))}
+
+
 def mpi_env(n: int = 1, base: dict | None = None) -> dict:
     """Environment for n ranks on this machine (copies `base`, default os.environ)."""
     env = dict(os.environ if base is None else base)
     if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")):
         # started from inside an MPI job: the parent's wiring would make a nested mpiexec fail
-        env = {k: v for k, v in env.items() if not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_"))}
+        env = without_job_variables(env)
     cores = os.cpu_count() or 1
     if mpi_vendor() == "openmpi":
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

@@ -85,8 +85,7 @@ def test_single_copy_is_switched_off_only_where_the_probe_forbids_it():
         pytest.skip("the single-copy setting is Open MPI's")
     key = "OMPI_MCA_btl_vader_single_copy_mechanism"
     # as from a shell, not from inside this MPI job (whose variables a nested launch drops)
-    base = {k: v for k, v in os.environ.items()
-            if k != key and not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_"))}
+    base = {k: v for k, v in launcher.without_job_variables(os.environ).items() if k != key}
     permitted = launcher.cma_permitted()
     env = launcher.mpi_env(2, {k: v for k, v in base.items() if k != "OMPI_MCA_osc"})
     assert (env.get(key) == "none") is not permitted

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--size-mb, --repeat and --tensors must be positive")
 
     from mpidist.checkpoint import CheckpointManager, open_checkpoint
-    from mpidist.checkpoint.writer import fsync_path
+    from mpidist.checkpoint.writer import collective_io, fsync_path
     from mpidist.comm import default_communicator
     from mpidist.partition import chunk
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     c.Barrier()
     state = bench_state(int(a.size_mb * 2**20), a.tensors, comm.rank, comm.size)
     nbytes = c.allreduce(sum(t.data.nbytes for t in state.values()))
-    collective = {"auto": comm.num_nodes > 1, "collective": True, "independent": False}[a.io]
+    collective = collective_io(comm) if a.io == "auto" else a.io == "collective"
     mgr = CheckpointManager(scratch, keep=1, comm=comm, collective=collective,
                             fsync=not a.no_fsync)
     plain_buf = np.random.default_rng(99).random(nbytes // 4, dtype=np.float32) if comm.rank == 0 else None

@@ -24,9 +24,15 @@ from mpidist.checkpoint.plan import assign
 from mpidist.comm import as_communicator
 from mpidist.kernels.backend import to_numpy
 
-__all__ = ["write_checkpoint"]
+__all__ = ["write_checkpoint", "collective_io"]
 
 _SPACE_MARGIN = 1.02          # room asked for beyond the tensor bytes (HDF5 metadata, slack)
+
+
+def collective_io(comm) -> bool:
+    """The default MPI-IO mode: collective when comm spans several nodes (see
+    write_checkpoint), independent within one."""
+    return as_communicator(comm).num_nodes > 1
 
 
 def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
@@ -51,7 +57,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
     """
     c = as_communicator(comm)
     if collective is None:
-        collective = c.num_nodes > 1
+        collective = collective_io(c)
     # 1. local checks: what do I hold, is everything serialisable
     err, local = None, {}
     try:

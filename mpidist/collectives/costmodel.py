@@ -53,8 +53,7 @@ from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.ring import segment_bytes
 
 __all__ = ["CostModel", "coefficients", "round_order", "time_rounds", "measure",
-           "measure_all", "time_gamma", "probe_reps", "fit_level", "conditions",
-           "flat_candidates", "get_model", "install", "probe", "PROBE_SIZES", "cache_path"]
+           "measure_all", "get_model", "install", "probe", "PROBE_SIZES", "cache_path"]
 
 PROBE_SIZES = (8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
                64 << 20, 256 << 20)
@@ -136,12 +135,12 @@ def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) 
     return measure_all(comm, [algorithm], nbytes, reps, dtype)[algorithm]
 
 
-def probe_reps(nbytes: int) -> int:
+def _reps(nbytes: int) -> int:
     """Probe repetitions: more where a run is cheap and noisy."""
     return 15 if nbytes <= (256 << 10) else 7 if nbytes <= (4 << 20) else 5
 
 
-def time_gamma(comm) -> float:
+def _time_gamma(comm) -> float:
     """Seconds per byte of an in-place float32 add over 8 MiB (slowest rank)."""
     a = np.ones(2 << 20, np.float32)
     b = np.ones_like(a)
@@ -231,37 +230,14 @@ class CostModel:
         return cls(d["levels"], d["nodes"], d["per_node"])
 
 
-def fit_level(p: int, gamma: float, by_size: dict, conditions: dict | None = None) -> dict:
-    """A level of the model from measured medians, {nbytes: {algorithm: seconds}}: the
-    fit over all sizes and the pieces between neighbouring sizes, per algorithm."""
-    sizes = sorted(by_size)
-    fits, pieces, samples = {}, {}, {}
-    for alg in by_size[sizes[0]]:
-        times = [by_size[s][alg] for s in sizes]
-        samples[alg] = [[s, t] for s, t in zip(sizes, times)]
-        fits[alg] = list(_fit(alg, p, gamma, sizes, times))
-        pieces[alg] = _pieces(alg, p, gamma, sizes, times)
-    level = {"p": p, "gamma": gamma, "fits": fits, "pieces": pieces, "samples": samples}
-    if conditions is not None:
-        level["conditions"] = conditions
-    return level
-
-
-def conditions(comm, sizes, t0: float, load_before: float) -> dict:
-    """Collective: when and under what load a level was measured (rank 0's clock)."""
-    cond = {"sizes": sorted(sizes), "seconds": round(time.perf_counter() - t0, 2),
-            "load_before": load_before, "load_after": os.getloadavg()[0],
-            "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    return comm.comm.bcast(cond, root=0)
-
-
 def _probe_level(comm, algorithms, sizes, reps: int | None, seconds: float) -> dict:
     """Time every algorithm at the sizes (ascending), leaving out the larger ones once the
     next would run past `seconds` (judged by the slowest rank, so all ranks agree)."""
     load = os.getloadavg()[0]
-    gamma = time_gamma(comm)
+    gamma = _time_gamma(comm)
+    sizes = sorted(sizes)
     by_size, t0, last = {}, time.perf_counter(), None
-    for s in sorted(sizes):
+    for s in sizes:
         if last is not None:
             clock = np.array([time.perf_counter() - t0, last[1]])
             comm.comm.Allreduce(MPI.IN_PLACE, clock, MPI.MAX)
@@ -269,14 +245,21 @@ def _probe_level(comm, algorithms, sizes, reps: int | None, seconds: float) -> d
             if len(by_size) >= 2 and spent + cost * s / last[0] > seconds:
                 break
         t1 = time.perf_counter()
-        by_size[s] = measure_all(comm, algorithms, s, reps or probe_reps(s), seed=len(by_size))
+        by_size[s] = measure_all(comm, algorithms, s, reps or _reps(s), seed=len(by_size))
         last = (s, time.perf_counter() - t1)
-    return fit_level(comm.size, gamma, by_size, conditions(comm, by_size, t0, load))
-
-
-def flat_candidates(comm) -> list[str]:
-    """The algorithms timed on comm itself: FLAT, less shm across nodes."""
-    return [a for a in FLAT if a != "shm" or shm.usable(comm)]
+    sizes = sorted(by_size)
+    fits, pieces, samples = {}, {}, {}
+    for alg in algorithms:
+        times = [by_size[s][alg] for s in sizes]
+        samples[alg] = [[s, t] for s, t in zip(sizes, times)]
+        fits[alg] = list(_fit(alg, comm.size, gamma, sizes, times))
+        pieces[alg] = _pieces(alg, comm.size, gamma, sizes, times)
+    conditions = {"sizes": sizes, "seconds": round(time.perf_counter() - t0, 2),
+                  "load_before": load, "load_after": os.getloadavg()[0],
+                  "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    conditions = comm.comm.bcast(conditions, root=0)        # rank 0's clock and load
+    return {"p": comm.size, "gamma": gamma, "fits": fits, "pieces": pieces,
+            "samples": samples, "conditions": conditions}
 
 
 def probe(comm, sizes=PROBE_SIZES, reps: int | None = None,
@@ -285,7 +268,8 @@ def probe(comm, sizes=PROBE_SIZES, reps: int | None = None,
     at most about `seconds` per level (larger sizes are then extrapolated)."""
     levels = {"world": {"p": 1, "gamma": 0.0, "fits": {}, "samples": {}}}
     if comm.size > 1:
-        levels["world"] = _probe_level(comm, flat_candidates(comm), sizes, reps, seconds)
+        flat = [a for a in FLAT if a != "shm" or shm.usable(comm)]
+        levels["world"] = _probe_level(comm, flat, sizes, reps, seconds)
     hier = comm.uniform_nodes and comm.num_nodes > 1 and comm.local_size > 1
     if hier:
         intra = _probe_level(comm.node_comm, ["ring"], sizes, reps, seconds)

@@ -104,13 +104,14 @@ def _slices(comm, n: int, dt):
     return w, [s[:n * dt.itemsize].view(dt) for s in w.slices]
 
 
-def _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op: Op, out, **block_options) -> None:
+def _publish_and_reduce(comm, w, part, sendbuf, lo, hi, op: Op, out, *,
+                        finalize_n: int | None = None, copy_to=None) -> None:
     """Publish my input in my slice (once everyone has finished reading the previous call's
-    results), then reduce elements [lo, hi) over every rank's copy into out."""
+    results), then reduce elements [lo, hi) over every rank's copy into out (_reduce_chunk)."""
     _barrier(comm, w)
     part[comm.rank][...] = sendbuf
     _barrier(comm, w)
-    _reduce_chunk(comm, part, lo, hi, op, out, **block_options)
+    _reduce_chunk(comm, part, lo, hi, op, out, finalize_n=finalize_n, copy_to=copy_to)
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):

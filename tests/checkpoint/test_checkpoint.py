@@ -106,7 +106,7 @@ def test_io_mode_defaults_to_collective_across_nodes_only(comm, shared_dir, monk
                         lambda *a, **k: seen.append(a[4]) or real(*a, **k))
     path = os.path.join(shared_dir, f"io{ranks_per_node}.h5")
     write_checkpoint(path, my_pieces(global_tensors(), comm.rank, comm.size), step=1, comm=topo)
-    assert seen == [topo.num_nodes > 1]
+    assert seen == [topo.num_nodes > 1] == [writer_module.collective_io(topo)]
     with open_checkpoint(path, comm=topo) as src:
         assert src.step == 1
     topo.free()
