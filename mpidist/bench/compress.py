@@ -122,20 +122,25 @@ def _allreduce(comm, layout, x, steps: int) -> dict:
     return rows
 
 
-# the time-to-accuracy runs: (label, compressor name, options); warmup = "ramp" stands for
+# the time-to-accuracy runs: (label, compressor name, options), error feedback on unless
+# a label says no-EF (sign, PowerSGD and the sparsifiers have it by default); warmup = "ramp" stands for
 # DGC's exponential ramp 25% -> 6.25% -> 1.5625%, one epoch each, then the ratio
 TTA_CONFIGS = [
-    ("fp16", "fp16", {}),
-    ("bf16", "bf16", {}),
+    ("fp16", "fp16", {"error_feedback": True}),
+    ("bf16", "bf16", {"error_feedback": True}),
     ("sign (1-bit)", "sign", {}),
-    ("qsgd 4-bit", "qsgd", {"levels": 7}),
+    ("qsgd 4-bit", "qsgd", {"levels": 7, "error_feedback": True}),
     ("powersgd r4", "powersgd", {"rank": 4}),
     ("topk 1%", "topk", {"ratio": 0.01}),
     ("topk 1% ramp+clip", "topk", {"ratio": 0.01, "warmup": "ramp", "clip_norm": 1.0}),
     ("topk 1% ramp+clip+mc", "topk", {"ratio": 0.01, "warmup": "ramp", "clip_norm": 1.0,
                                       "momentum": 0.9}),
     ("topk 1% ramp no-EF", "topk", {"ratio": 0.01, "warmup": "ramp", "error_feedback": False}),
+    # random-k picks coordinates blindly: at 1% each is sent about 4 times in the job's
+    # ~400 steps, whatever error feedback does, so it also runs at 10% and 25%
     ("randomk 1%", "randomk", {"ratio": 0.01}),
+    ("randomk 10%", "randomk", {"ratio": 0.1}),
+    ("randomk 25%", "randomk", {"ratio": 0.25}),
     ("randomk 1% ramp+clip", "randomk", {"ratio": 0.01, "warmup": "ramp", "clip_norm": 1.0}),
     ("randomk 1% ramp no-EF", "randomk", {"ratio": 0.01, "warmup": "ramp",
                                           "error_feedback": False}),
