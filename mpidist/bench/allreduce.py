@@ -65,8 +65,10 @@ def _parse(argv):
     every = ["native", "textbook", *(a for a in ALGORITHMS if a != "native"), "auto"]
     p.add_argument("--algorithms", default=",".join(every),
                    help=f"algorithms to run (default: {','.join(every)})")
-    p.add_argument("--reps", type=int, default=50,
-                   help="timed rounds per size at most (fewer for large sizes, at least 3)")
+    p.add_argument("--reps", type=int, default=400,
+                   help="timed rounds per size at most (fewer for large sizes, at least 3); "
+                        "small sizes need many: a 5 us call's median over 50 rounds moves "
+                        "by a few percent from run to run")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="time budget per point (size x algorithm), which caps the rounds")
     p.add_argument("--seed", type=int, default=0,
