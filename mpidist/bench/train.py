@@ -12,8 +12,10 @@ Model and data as in issue 6: an MLP 1024-2048-2048-10 (6.3M parameters), synthe
     step_noov the same with one bucket sent after backward (no overlap)
 (taking turns, medians over the timed steps of the slowest rank) and reports samples/s
 (global batch / step), speed-up over 1 rank, and the hidden fraction of communication,
-(compute + comm - step) / comm. When PyTorch is importable the same MLP is
-trained with DDP (gloo, one thread per rank) for comparison; otherwise it says so.
+(compute + comm - step) / comm, from the medians ("hidden") and as the median over rounds
+of that round's own difference ("paired": steadier on a machine whose speed drifts).
+When PyTorch is importable the same MLP is trained with DDP (gloo, one thread per rank)
+for comparison; otherwise it says so.
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ def _parse(argv):
 
 
 # ----------------------------------------------------------------------------- one world size
-def _interleaved(comm, fns: dict, steps: int, warmup: int) -> dict:
-    """Median seconds per call of each fn, the slowest rank's per call.
+def _interleaved(comm, fns: dict, steps: int, warmup: int) -> tuple[dict, dict]:
+    """Median seconds per call of each fn, the slowest rank's per call, and those
+    per-round times themselves.
 
     The measurements take turns (one call of each per round), so a change of machine load
     during the run hits all of them alike; every call starts after a barrier.
@@ -63,12 +66,12 @@ def _interleaved(comm, fns: dict, steps: int, warmup: int) -> dict:
             fn()
             if i >= warmup:
                 times[k].append(time.perf_counter() - t0)
-    out = {}
+    out, rounds = {}, {}
     for k, ts in times.items():
         slowest = np.empty(len(ts))
         comm.comm.Allreduce(np.asarray(ts), slowest, op=MPI.MAX)
-        out[k] = float(np.median(slowest))
-    return out
+        out[k], rounds[k] = float(np.median(slowest)), slowest
+    return out, rounds
 
 
 def _worker(args) -> dict:
@@ -119,14 +122,19 @@ def _worker(args) -> dict:
             dopt.step()
         return run
 
-    res = _interleaved(comm, {"t_compute": compute, "t_comm": communicate, "step": dp_step(dopts["step"]),
-                              "step_noov": dp_step(dopts["step_noov"])}, args.steps, args.warmup)
+    res, rounds = _interleaved(comm, {"t_compute": compute, "t_comm": communicate,
+                                      "step": dp_step(dopts["step"]),
+                                      "step_noov": dp_step(dopts["step_noov"])}, args.steps, args.warmup)
+    # the same within each round (its four calls run back to back, so a drift of the
+    # machine's speed between rounds cancels), then the median over rounds
+    saved = rounds["t_compute"] + rounds["t_comm"] - rounds["step"]
     model.set_grad_hook(None)
     out = {"ranks": comm.size, "params": layout.numel, "batch_per_rank": args.batch, **res,
            "samples_per_s": args.batch * comm.size / res["step"],
            "samples_per_s_noov": args.batch * comm.size / res["step_noov"],
            "hidden_fraction": (res["t_compute"] + res["t_comm"] - res["step"]) / res["t_comm"]
-           if res["t_comm"] > 0 else 0.0}
+           if res["t_comm"] > 0 else 0.0,
+           "hidden_fraction_paired": float(np.median(saved)) / res["t_comm"] if res["t_comm"] > 0 else 0.0}
     comm.free()
     return out
 
@@ -194,7 +202,7 @@ def _run_sizes(args) -> list[dict]:
 def _report(rows, args, torch_note, torch_rates) -> str:
     base = rows[0]["samples_per_s"] if rows and rows[0]["ranks"] == 1 else None
     head = (f"{'ranks':>5} {'compute ms':>10} {'comm ms':>8} {'step ms':>8} {'no-overlap ms':>13} "
-            f"{'samples/s':>10} {'speed-up':>8} {'hidden':>7} {'DDP samples/s':>13}")
+            f"{'samples/s':>10} {'speed-up':>8} {'hidden':>7} {'paired':>7} {'DDP samples/s':>13}")
     lines = [f"MLP {IN}-{args.hidden}-{args.hidden}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
              f"batch {args.batch}/rank, {args.algorithm} allreduce, buckets {args.bucket_mb} MiB, "
              f"{args.steps} timed steps", head, "-" * len(head)]
@@ -202,9 +210,10 @@ def _report(rows, args, torch_note, torch_rates) -> str:
         speed = f"{r['samples_per_s'] / base:.2f}x" if base else "-"
         ddp = torch_rates.get(r["ranks"])
         hidden = f"{r['hidden_fraction'] * 100:.0f}%" if r["ranks"] > 1 else "-"   # nothing to hide on 1 rank
+        paired = f"{r['hidden_fraction_paired'] * 100:.0f}%" if r["ranks"] > 1 else "-"
         lines.append(f"{r['ranks']:>5} {r['t_compute'] * 1e3:>10.1f} {r['t_comm'] * 1e3:>8.1f} "
                      f"{r['step'] * 1e3:>8.1f} {r['step_noov'] * 1e3:>13.1f} {r['samples_per_s']:>10.0f} "
-                     f"{speed:>8} {hidden:>7} "
+                     f"{speed:>8} {hidden:>7} {paired:>7} "
                      f"{(f'{ddp:.0f}' if ddp else '-'):>13}")
     lines.append(torch_note)
     return "\n".join(lines)
