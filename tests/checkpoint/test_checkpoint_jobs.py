@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpidist.checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, inspect_checkpoint
-from mpidist.launcher import mpi_env, mpiexec_argv
+from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -23,7 +23,7 @@ TOY = os.path.join(HERE, "toyjob.py")
 def clean_env(n):
     """Environment for a job of n ranks, without the variables of the MPI job we may be in
     (under `mpiexec -n 1 pytest` a nested mpiexec would take them for its own)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    base = without_job_variables(os.environ)
     return mpi_env(n, base)
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpidist.launcher import mpi_env, mpiexec_argv
+from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
 
 SIX = """
 import hashlib
@@ -32,7 +32,7 @@ if c.rank == 0:
 
 def _run(n, argv, tmp_path, extra_env=None):
     # a pytest started by mpiexec -n 1 must not hand its own job's identity to the child
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("PMIX_", "OMPI_"))}
+    base = without_job_variables(os.environ)
     env = mpi_env(n, base)
     env["MPIDIST_CACHE_DIR"] = str(tmp_path / "cache")
     env.update(extra_env or {})

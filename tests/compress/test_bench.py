@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mpidist.launcher import mpi_env, mpiexec_argv
+from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
 
 
 @pytest.mark.launcher
@@ -16,7 +16,7 @@ def test_bench_compress_reports_every_compressor(tmp_path):
     argv = [sys.executable, "-m", "mpidist", "bench", "compress", "--numel", "6000",
             "--steps", "1", "--reps", "1", "--out", str(out)]
     # a fresh job: none of this process's own MPI job variables (mpiexec -n 1 pytest)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    base = without_job_variables(os.environ)
     proc = subprocess.run(mpiexec_argv(2, argv), env=mpi_env(2, base), capture_output=True,
                           text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -89,7 +89,7 @@ def test_digits_jobs_reach_target_and_asp_ssp_beat_bsp_with_a_straggler(tmp_path
     at about a third of its steps and the others run on, so both should finish in about
     half of BSP's time; asserted with a margin for a loaded machine (at most 80%)."""
     # without the variables of an MPI job we may run in (`mpiexec -n 1 pytest`)
-    outside = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    outside = launcher.without_job_variables(os.environ)
     seconds, steps = {}, {}
     for model in ("bsp", "asp", "ssp"):
         out = tmp_path / model

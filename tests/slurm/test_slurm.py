@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from mpidist.launcher import mpi_env, mpiexec_argv
+from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
 
 pytestmark = pytest.mark.launcher
 
@@ -27,7 +27,7 @@ def clean_env() -> dict:
     """os.environ as Python saw it at start-up, without Open MPI/PMIx variables: neither those
     of an mpiexec we run under nor those the singleton MPI_Init of this process put into the
     C environment (a job inheriting them would take its own mpiexec for part of ours)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    return without_job_variables(os.environ)
 
 
 def sh(*argv, timeout=60, check=True):

@@ -112,7 +112,7 @@ def test_zero_strategy_checks_its_keys(comm):
 def _train(job, out, tmp_path):
     # a session started by mpiexec -n 1 passes its Open MPI/PMIx variables on, and a child
     # mpiexec seeing them refuses to start ("recursive calls"): start it from a clean env
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "OPAL_"))}
+    env = launcher.without_job_variables(os.environ)
     proc = launcher.run(4, [sys.executable, "-m", "mpidist", "train", str(job),
                             "--set", f"job.out_dir='{out}'", "--set", "job.progress=false",
                             "--set", "job.plot=false", "--set", f"data.cache_dir='{tmp_path}'",
