@@ -123,8 +123,9 @@ def _allreduce(comm, layout, x, steps: int) -> dict:
 
 
 # the time-to-accuracy runs: (label, compressor name, options), error feedback on unless
-# a label says no-EF (sign, PowerSGD and the sparsifiers have it by default); warmup = "ramp" stands for
-# DGC's exponential ramp 25% -> 6.25% -> 1.5625%, one epoch each, then the ratio
+# a label says no-EF (sign, PowerSGD and the sparsifiers have it by default); warmup =
+# "ramp" stands for DGC's exponential ramp 25% -> 6.25% -> 1.5625%, one epoch each, then
+# the ratio
 TTA_CONFIGS = [
     ("fp16", "fp16", {"error_feedback": True}),
     ("bf16", "bf16", {"error_feedback": True}),

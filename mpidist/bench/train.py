@@ -134,7 +134,8 @@ def _worker(args) -> dict:
            "samples_per_s_noov": args.batch * comm.size / res["step_noov"],
            "hidden_fraction": (res["t_compute"] + res["t_comm"] - res["step"]) / res["t_comm"]
            if res["t_comm"] > 0 else 0.0,
-           "hidden_fraction_paired": float(np.median(saved)) / res["t_comm"] if res["t_comm"] > 0 else 0.0}
+           "hidden_fraction_paired": float(np.median(saved)) / res["t_comm"]
+           if res["t_comm"] > 0 else 0.0}
     comm.free()
     return out
 

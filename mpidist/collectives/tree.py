@@ -79,17 +79,13 @@ def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
                 acc[...] = src
             op.finalize(acc, comm.size)
     # 2. broadcast down, roots first: my up-sends are done before the result overwrites them
-    # (empty waits and a one-tree sort skipped: at a few KiB the Python calls are the cost)
-    if ups:
-        MPI.Request.Waitall(ups)
+    MPI.Request.Waitall(ups)
     downs = []
-    for k, t in (trees if len(trees) == 1 else
-                 sorted(trees, key=lambda kt: kt[1].parent is not None)):
+    for k, t in sorted(trees, key=lambda kt: kt[1].parent is not None):
         if t.parent is not None:
             mpi.Recv(recvbuf[t.lo:t.hi], t.parent, _TAG + k + 1)
         downs.extend(mpi.Isend(recvbuf[t.lo:t.hi], c, _TAG + k + 1) for c in t.children)
-    if downs:
-        MPI.Request.Waitall(downs)
+    MPI.Request.Waitall(downs)
 
 
 def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees):
