@@ -12,8 +12,8 @@ algorithm, because the MPI library's C collectives and mpidist's Python-driven s
 very different fixed costs per step, and per size range, because memory behaves
 differently in and out of the caches: the probe times the sizes the model is used at
 (PROBE_SIZES, the benchmark's sweep) and each range between two neighbouring probe sizes
-gets its own (alpha, beta) through its two end points ("pieces"; below the first and past
-the last size the nearest piece extends). "fits" holds one least-squares fit over all
+gets its own (alpha, beta) through its two end points ("pieces", see _pieces; below the
+first and past the last size the nearest piece extends). "fits" holds one least-squares fit over all
 sizes, for display. The native MPI_Allreduce, whose internal algorithm is the library's
 choice, is modelled as one step moving n. The hierarchical algorithm is predicted by
 composing the ring's intra-node and inter-node fits. The shared-memory algorithm is a
@@ -168,11 +168,34 @@ def _fit(algorithm: str, p: int, gamma: float, sizes, times) -> tuple[float, flo
     return float(sol[0]), float(sol[1])
 
 
+def _through(algorithm: str, p: int, gamma: float, sizes, times) -> tuple[float, float]:
+    """(alpha, beta) of the model line through two (bytes, seconds) points, of any sign."""
+    a, b, g = coefficients(algorithm, p)
+    (n0, n1), (t0, t1) = sizes, times
+    r0, r1 = t0 - g * n0 * gamma, t1 - g * n1 * gamma
+    beta = (r1 - r0) / (b * (n1 - n0))
+    return (r0 - b * n0 * beta) / a, beta
+
+
 def _pieces(algorithm: str, p: int, gamma: float, sizes, times) -> list[list[float]]:
-    """[[upto, alpha, beta], ...]: one fit per range between neighbouring probe sizes,
-    through its two end points; upto is the range's upper end."""
-    return [[sizes[i], *_fit(algorithm, p, gamma, sizes[i - 1:i + 1], times[i - 1:i + 1])]
-            for i in range(1, len(sizes))]
+    """[[upto, alpha, beta], ...]: per range between neighbouring probe sizes, the line
+    through its two end points; upto is the range's upper end.
+
+    Inside a range the line is exact at both ends and positive between them, whatever the
+    signs of alpha and beta: a time that grows faster than the bytes (the MPI library's
+    allreduce of 64 MiB took 12x its 16 MiB time here, faulting in a fresh 32 MiB buffer
+    per call) needs a negative alpha. The first and last lines also extend past the probe
+    sizes; where the first would fall below zero for fewer bytes, a piece holding the
+    first point's time goes before it, and where the last falls with more bytes, a piece
+    proportional to the bytes through the last point goes after it."""
+    a, b, g = coefficients(algorithm, p)
+    pieces = [[sizes[i], *_through(algorithm, p, gamma, sizes[i - 1:i + 1], times[i - 1:i + 1])]
+              for i in range(1, len(sizes))]
+    if pieces and pieces[0][1] < 0:
+        pieces.insert(0, [sizes[0], max(0.0, times[0] - g * sizes[0] * gamma) / a, 0.0])
+    if pieces and pieces[-1][2] < 0:
+        pieces.append([sizes[-1], 0.0, max(0.0, times[-1] - g * sizes[-1] * gamma) / (b * sizes[-1])])
+    return pieces
 
 
 class CostModel:
@@ -285,7 +308,7 @@ def cache_path(comm) -> str:
     hosts = sorted(set(comm.comm.allgather(socket.gethostname())))
     ident = json.dumps([hosts, comm.size, getattr(comm, "node_sizes", [comm.size]),
                         MPI.Get_library_version().strip().splitlines()[0], mpidist.__version__,
-                        segment_bytes(), PROBE_SIZES, "pieces between probe sizes"])
+                        segment_bytes(), PROBE_SIZES, "pieces through probe points"])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("MPIDIST_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "mpidist")
