@@ -48,8 +48,6 @@ from mpi4py import MPI
 
 import mpidist
 from mpidist.collectives import shm
-from mpidist.collectives.ops import get_op
-from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.ring import segment_bytes
 
 __all__ = ["CostModel", "coefficients", "round_order", "time_rounds", "measure",
