@@ -19,6 +19,8 @@ the header. The model is probed afresh at the start (--no-refit keeps the cached
 sweep); "model us" is its prediction for each algorithm, "error" its distance to this
 sweep's median. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
 the issue. Every call goes through the public allreduce() and its result is checked.
+A reference copy timed before the sweep and after each size (bench.steadiness) shows how
+much the machine's own speed drifted during the run.
 Writes allreduce.csv, allreduce.json and allreduce.png under --out (rank 0).
 """
 from __future__ import annotations
@@ -177,6 +179,7 @@ def _plot(rows, path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mpidist.bench.steadiness import Steadiness
     from mpidist.collectives import costmodel
     from mpidist.collectives.select import format_size
     from mpidist.comm import Communicator, mpi_library
@@ -207,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'spread':>7} {'algbw GB/s':>11} "
               f"{'busbw GB/s':>11} {'vs native':>9} {'model us':>10} {'error':>6} {'reps':>5} "
               f"{'check':>5}", flush=True)
+    steadiness = Steadiness(c.comm)
+    steadiness.sample()
     rows = []
     for k, nbytes in enumerate(args.sizes):
         x = np.ones(nbytes // 4, np.float32)
@@ -241,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['spread']:6.0%} {algbw:11.3f} {busbw:11.3f} {vs:>9} {mod} "
                       f"{n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
         del x
+        steadiness.sample()
     if c.rank == 0:
         _summary(rows, p)
+        print(f"  {steadiness.line()}")
         os.makedirs(args.out, exist_ok=True)
         base = os.path.join(args.out, "allreduce")
         with open(base + ".csv", "w", newline="") as f:
@@ -252,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(base + ".json", "w") as f:
             json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
                        "load_before": load, "load_after": os.getloadavg()[0],
-                       "dispatch_s": dispatch, "model": model.to_json(), "rows": rows}, f,
+                       "dispatch_s": dispatch, "steadiness": steadiness.summary(),
+                       "model": model.to_json(), "rows": rows}, f,
                       indent=1)
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")

@@ -15,7 +15,9 @@ the ideal (target: within 15% for GPipe and 1F1B); "replay" is the bubble the sa
 would have had with its measured compute times and instant transfers (timing.replay), so
 ideal -> replay is the compute's own unevenness (jitter, imbalance) and replay -> bubble
 the executor's transfers and dispatch; "peak mb" is the largest peak of
-stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m).
+stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m). A reference
+copy timed before each run (bench.steadiness) shows how much the machine's own speed
+drifted meanwhile.
 Writes pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0).
 
 Timings need one core per rank: with more ranks than idle cores the busy times stretch
@@ -143,6 +145,7 @@ def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mpidist.bench.steadiness import Steadiness
     from mpidist.comm import Communicator
     from mpidist.pipeline.timing import plot_timeline
 
@@ -166,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         sub = world.comm.Split(0 if world.rank < p else MPI.UNDEFINED, world.rank)
         if sub != MPI.COMM_NULL:
             comm = Communicator(sub)
+            steadiness = Steadiness(sub)
             for name in args.schedules:
                 for m in args.microbatches:
+                    steadiness.sample()
                     row, events = _run(comm, name, p, m, args)
                     if root:
                         rows.append(row)
@@ -176,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                         plot_timeline(events, png, f"{name}: p={p}, m={m}, measured bubble "
                                       f"{row['bubble']:.3f} (ideal {row['ideal_bubble']:.3f})",
                                       virtual=row["virtual"], pp=p)
+            steadiness.sample()
+            if root:
+                print(f"# p = {p}: {steadiness.line()}", flush=True)
             comm.free()
             sub.Free()
         _idle_barrier(world.comm)

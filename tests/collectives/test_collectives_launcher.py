@@ -57,6 +57,9 @@ def test_bench_and_explain_cli(tmp_path):
     assert "busbw GB/s" in res.stdout and "auto [" in res.stdout and "summary:" in res.stdout
     data = json.loads((out / "allreduce.json").read_text())
     assert len(data["rows"]) == 8 and all(r["ok"] for r in data["rows"])
+    steady = data["steadiness"]                 # before the sweep and after each size
+    assert len(steady["samples_s"]) == 3 and 0 < steady["min_s"] <= steady["max_s"]
+    assert "machine steadiness:" in res.stdout
     assert (out / "allreduce.png").stat().st_size > 0 and (out / "allreduce.csv").exists()
     res = _run(2, [sys.executable, "-m", "mpidist", "explain", "--sizes", "4K", "--reps", "1"],
                tmp_path)

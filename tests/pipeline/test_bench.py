@@ -19,6 +19,7 @@ def test_bench_pipeline_writes_table_and_timelines(tmp_path):
                         timeout=180, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ideal  replay  bubble" in proc.stdout and "p = 4 skipped" in proc.stdout
+    assert "# p = 2: machine steadiness:" in proc.stdout
     rows = json.loads((out / "pipeline.json").read_text())
     assert [(r["schedule"], r["p"], r["m"]) for r in rows] == [("gpipe", 2, 4), ("1f1b", 2, 4)]
     gpipe, f1b = rows
