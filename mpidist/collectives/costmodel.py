@@ -73,7 +73,7 @@ def coefficients(algorithm: str, p: int) -> tuple[float, float, float]:
     if algorithm in ("ring", "hierarchical"):
         return 2 * (p - 1), 2 * (p - 1) / p, (p - 1) / p
     if algorithm == "tree":
-        return 2 * lg, 2 * lg, lg
+        return 2 * lg - 1, 2 * lg, lg
     if algorithm == "dbtree":
         return 2 * lg, 2.0, 1.0
     if algorithm == "recursive_doubling":
@@ -192,7 +192,8 @@ def _pieces(algorithm: str, p: int, gamma: float, sizes, times) -> list[list[flo
     if pieces and pieces[0][1] < 0:
         pieces.insert(0, [sizes[0], max(0.0, times[0] - g * sizes[0] * gamma) / a, 0.0])
     if pieces and pieces[-1][2] < 0:
-        pieces.append([sizes[-1], 0.0, max(0.0, times[-1] - g * sizes[-1] * gamma) / (b * sizes[-1])])
+        per_byte = max(0.0, times[-1] - g * sizes[-1] * gamma) / (b * sizes[-1])
+        pieces.append([sizes[-1], 0.0, per_byte])
     return pieces
 
 
@@ -306,7 +307,8 @@ def cache_path(comm) -> str:
     hosts = sorted(set(comm.comm.allgather(socket.gethostname())))
     ident = json.dumps([hosts, comm.size, getattr(comm, "node_sizes", [comm.size]),
                         MPI.Get_library_version().strip().splitlines()[0], mpidist.__version__,
-                        segment_bytes(), PROBE_SIZES, "pieces through probe points"])
+                        segment_bytes(), PROBE_SIZES, "pieces through probe points",
+                        "tree top exchange"])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("MPIDIST_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "mpidist")

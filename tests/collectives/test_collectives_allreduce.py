@@ -46,10 +46,13 @@ def test_matches_mpi_allreduce(comm, algorithm, monkeypatch, guard_off):
     assert not bad, f"{algorithm}: {len(bad)} wrong cases, e.g. {bad[:5]}"
 
 
+@pytest.mark.parametrize("segment", [None, "1024"])
 @pytest.mark.parametrize("algorithm", ALL)
-def test_same_bits_on_every_rank(comm, algorithm):
+def test_same_bits_on_every_rank(comm, algorithm, segment, monkeypatch):
     """Random floats, so rounding differs with reduction order: all ranks must still agree,
-    and in-place must equal out-of-place."""
+    and in-place must equal out-of-place; whole messages and pipelined segments."""
+    if segment:
+        monkeypatch.setenv("MPIDIST_SEGMENT_BYTES", segment)
     rng = np.random.default_rng(comm.rank)
     results = []
     for dt in (np.float32, np.float16, np.float64):
