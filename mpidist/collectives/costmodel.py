@@ -13,11 +13,11 @@ very different fixed costs per step, and per size range, because memory behaves
 differently in and out of the caches: the probe times the sizes the model is used at
 (PROBE_SIZES, the benchmark's sweep) and each range between two neighbouring probe sizes
 gets its own (alpha, beta) through its two end points ("pieces", see _pieces; below the
-first and past the last size the nearest piece extends). "fits" holds one least-squares fit over all
-sizes, for display. The native MPI_Allreduce, whose internal algorithm is the library's
-choice, is modelled as one step moving n. The hierarchical algorithm is predicted by
-composing the ring's intra-node and inter-node fits. The shared-memory algorithm is a
-candidate only on a communicator within one node.
+first and past the last size the nearest piece extends). "fits" holds one least-squares
+fit over all sizes, for display. The native MPI_Allreduce, whose internal algorithm is the
+library's choice, is modelled as one step moving n. The hierarchical algorithm is
+predicted by composing the ring's intra-node and inter-node fits. The shared-memory
+algorithm is a candidate only on a communicator within one node.
 
 Timings are taken the way the benchmark takes them (`time_rounds`): every call goes
 through the public allreduce(), the algorithms run in interleaved rounds in an order
