@@ -38,8 +38,8 @@ _WINDOW = 4          # segments per child received ahead of the reduction
 class Tree:
     """One rank's view of a reduction tree over elements [lo, hi) of the buffer.
 
-    peer: on the two roots of a tree whose top edge is an exchange (top_exchange), the
-    other root; lead: whether my partial result goes first when the two are combined."""
+    peer: on the two roots of a tree whose top edge is an exchange (_binomial), the other
+    root; lead: whether my partial result goes first when the two are combined."""
     parent: int | None
     children: tuple[int, ...]
     lo: int
@@ -65,16 +65,6 @@ def top_child(size: int) -> int:
     """The root's last child in the binomial tree: the largest power of two below size
     (size > 1), root of the ranks from there on."""
     return 1 << ((size - 1).bit_length() - 1)
-
-
-def top_exchange(rank: int, parent, children, root: int, partner: int):
-    """(parent, children, peer, lead) of a tree whose top edge, root - partner (the root's
-    last child), becomes an exchange: both end as roots of their halves."""
-    if rank == root and children and children[-1] == partner:
-        return None, tuple(children[:-1]), partner, True
-    if rank == partner and parent == root:
-        return None, tuple(children), root, False
-    return parent, tuple(children), None, False
 
 
 def _settle_root(comm, t: Tree, mine, out, op: Op, slot: int, tag: int) -> None:
@@ -209,11 +199,14 @@ def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees):
 
 @functools.lru_cache(maxsize=256)
 def _binomial(rank: int, size: int, n: int) -> tuple[Tree]:
+    """This rank's binomial tree, its top edge (0 - top_child) an exchange of two roots."""
     parent, children = binomial_tree(rank, size)
-    if size == 1:
-        return (Tree(parent, children, 0, n),)
-    parent, children, peer, lead = top_exchange(rank, parent, children, 0, top_child(size))
-    return (Tree(parent, children, 0, n, peer, lead),)
+    half = top_child(size) if size > 1 else None
+    if rank == 0 and half is not None:
+        return (Tree(None, children[:-1], 0, n, half, True),)
+    if rank == half:
+        return (Tree(None, children, 0, n, 0, False),)
+    return (Tree(parent, children, 0, n),)
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):
