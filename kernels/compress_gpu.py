@@ -20,7 +20,8 @@ from numba import cuda   # importing numba.cuda needs no GPU; kernels compile on
 
 from mpidist.kernels import compress_cpu as _cpu
 
-__all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "sign_encode",
+__all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "fp16_decode",
+           "bf16_decode", "sign_encode",
            "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "randomk_indices"]
 
 _TPB = 128
@@ -34,6 +35,7 @@ def _blocks(n: int) -> int:
 def _kernels() -> SimpleNamespace:
     f16_bits = cuda.jit(device=True)(_cpu._f16_bits.py_func)
     bf16_bits = cuda.jit(device=True)(_cpu._bf16_bits.py_func)
+    f32_bits_of_f16 = cuda.jit(device=True)(_cpu._f32_bits_of_f16.py_func)
     uniform = cuda.jit(device=True)(_cpu._uniform.py_func)
     qsgd_code = cuda.jit(device=True)(_cpu._qsgd_code.py_func)
 
@@ -50,6 +52,20 @@ def _kernels() -> SimpleNamespace:
         i = cuda.grid(1)
         if i < bits.size:
             out[i] = bf16_bits(bits[i])
+
+    @cuda.jit
+    def fp16_widen(half, out):
+        # out[i] = float32 bits of float16 bits half[i] (exact)
+        i = cuda.grid(1)
+        if i < half.size:
+            out[i] = f32_bits_of_f16(half[i])
+
+    @cuda.jit
+    def bf16_widen(half, out):
+        # out[i] = float32 bits of bfloat16 bits half[i]: its top half
+        i = cuda.grid(1)
+        if i < half.size:
+            out[i] = np.uint32(half[i]) << np.uint32(16)
 
     @cuda.jit
     def chunk_mean_abs(x, chunk, scales):
@@ -127,7 +143,8 @@ def _kernels() -> SimpleNamespace:
             hi = ((b + 1) * n) // k
             out[b] = lo + min(hi - lo - 1, np.int64(uniform(seed, b) * (hi - lo)))
 
-    return SimpleNamespace(fp16=fp16, bf16=bf16, chunk_mean_abs=chunk_mean_abs,
+    return SimpleNamespace(fp16=fp16, bf16=bf16, fp16_widen=fp16_widen, bf16_widen=bf16_widen,
+                           chunk_mean_abs=chunk_mean_abs,
                            sign_pack=sign_pack, sign_unpack_add=sign_unpack_add,
                            bucket_max_abs=bucket_max_abs, qsgd_pack=qsgd_pack,
                            qsgd_unpack_add=qsgd_unpack_add, randomk=randomk)
@@ -152,6 +169,16 @@ def fp16_encode(bits, k, out) -> None:
 def bf16_encode(bits, out) -> None:
     if bits.size:
         _kernels().bf16[_blocks(bits.size), _TPB](bits, out)
+
+
+def fp16_decode(half, out) -> None:
+    if half.size:
+        _kernels().fp16_widen[_blocks(half.size), _TPB](half, out)
+
+
+def bf16_decode(half, out) -> None:
+    if half.size:
+        _kernels().bf16_widen[_blocks(half.size), _TPB](half, out)
 
 
 def sign_encode(x, chunk, packed, scales) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from mpidist.collectives import guard, native, ring, select, shm
-from mpidist.collectives.ops import accumulator_dtype, check_dtype, dtype_name, get_op
+from mpidist.collectives.ops import (accumulator_dtype, check_dtype, dtype_name, get_op, narrow,
+                                     widen)
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
-from mpidist.collectives.scratch import same_view
+from mpidist.collectives.scratch import same_view, scratch
 from mpidist.comm import as_communicator
 from mpidist.kernels.backend import get_array_module, is_cupy
 from mpidist.partition import chunk, counts_displs
@@ -20,6 +21,7 @@ from mpidist.partition import chunk, counts_displs
 __all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run_allreduce"]
 
 _PARTS = {"ring": ring, "shm": shm, "native": native}
+_WIDE, _WIDE_SHARD = 90, 91     # scratch slots of the float32 copies of half precision data
 
 
 def _flat(x, what: str):
@@ -51,10 +53,13 @@ def _overlap(a, b) -> bool:
 
 
 def _to_acc(c, x):
-    """(buffer for MPI, widened?) for x: the float32 copy of half data, or c.to_mpi(x)."""
+    """(buffer for MPI, widened?) for x: the float32 copy of half data (in scratch memory,
+    reused from call to call), or c.to_mpi(x)."""
     acc = accumulator_dtype(x.dtype)
     if acc != x.dtype:
-        return c.to_mpi(x.astype(acc)), True
+        wide = scratch(c, _WIDE, x.size, acc, like=x)
+        widen(x, wide)
+        return c.to_mpi(wide), True
     return c.to_mpi(x), False
 
 
@@ -63,10 +68,13 @@ def _store(src, dst, widened: bool) -> None:
     to the device for staged CuPy data); nothing when src is dst."""
     if same_view(src, dst):
         return
-    if widened:
-        src = src.astype(dst.dtype)
     if is_cupy(dst) and not is_cupy(src):
+        if widened:
+            src, half = np.empty(src.size, dst.dtype), src
+            narrow(half, src)
         dst.set(src)
+    elif widened:
+        narrow(src, dst)
     else:
         dst[...] = src
 
@@ -174,7 +182,9 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
     if x.size == 0:
         return result
     sbuf, widened = _to_acc(c, x)
-    if widened or (in_place and part is native):      # MPI's reduce-scatter can not alias
+    if widened:
+        rbuf = scratch(c, _WIDE_SHARD, count, sbuf.dtype, like=sbuf)
+    elif in_place and part is native:                  # MPI's reduce-scatter can not alias
         rbuf = get_array_module(sbuf).empty(count, dtype=sbuf.dtype)
     else:
         rbuf = c.to_mpi(y)

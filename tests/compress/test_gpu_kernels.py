@@ -31,6 +31,12 @@ SIM_SCRIPT = textwrap.dedent("""
     for k in (0, 7, -3):
         same("fp16", C.fp16_encode, G.fp16_encode, b, k, outs=[np.empty(n, np.uint16)])
     same("bf16", C.bf16_encode, G.bf16_encode, b, outs=[np.empty(n, np.uint16)])
+    halves = np.concatenate([np.arange(0, 1 << 16, 331), [0x0001, 0x03FF, 0x7C00, 0x7E01,
+                                                          0xFC00]]).astype(np.uint16)
+    same("fp16 decode", C.fp16_decode, G.fp16_decode, halves,
+         outs=[np.empty(halves.size, np.uint32)])
+    same("bf16 decode", C.bf16_decode, G.bf16_decode, halves,
+         outs=[np.empty(halves.size, np.uint32)])
     same("sign", C.sign_encode, G.sign_encode, x, 64,
          outs=[np.empty(-(-n // 8), np.uint8), np.empty(-(-n // 64), np.float32)])
     packed, scales = np.empty(-(-n // 8), np.uint8), np.empty(-(-n // 64), np.float32)
