@@ -5,8 +5,10 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --sizes 8,4K,1M,64M --reps 5
     python -m mpidist.launcher -n 2 -- mpidist bench allreduce --calibrate
     MPIDIST_RANKS_PER_NODE=2 python -m mpidist.launcher -n 4 -- mpidist bench allreduce
+    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
 
-For each size (bytes of float32) and algorithm: time of one allreduce, the median over
+For each size (bytes of --dtype, float32 by default; half precision is reduced in float32,
+so its model column and auto's choice are for the widened bytes) and algorithm: time of one allreduce, the median over
 interleaved rounds of the slowest rank's time after a warm-up (each round runs every
 algorithm once, auto included, in an order shuffled per round with a seed every rank
 shares: costmodel.time_rounds, as the cost model's probe measures), its spread (the
@@ -32,29 +34,35 @@ import os
 import textwrap
 import time
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
 __all__ = ["main", "textbook_ring"]
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+          "bfloat16": np.dtype(ml_dtypes.bfloat16), "float64": np.dtype(np.float64),
+          "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
 
 
 def textbook_ring(comm, x) -> None:
-    """The textbook ring: blocking Sendrecv, reduce-scatter then allgather, in place."""
+    """The textbook ring: blocking Sendrecv, reduce-scatter then allgather, in place, in
+    x's own dtype (messages move as raw bits: MPI has no half precision types)."""
     mpi, p, r = comm.comm, comm.size, comm.rank
     counts = [len(x) // p + (i < len(x) % p) for i in range(p)]
     starts = np.concatenate([[0], np.cumsum(counts)])
     part = [x[starts[i]:starts[i + 1]] for i in range(p)]
+    bits = [v.view(f"u{x.itemsize}") for v in part]
     tmp = np.empty(max(counts), x.dtype)
     right, left = (r + 1) % p, (r - 1) % p
     for t in range(p - 1):
         s, q = (r - t) % p, (r - t - 1) % p
-        mpi.Sendrecv(part[s], right, 0, tmp[:counts[q]], left, 0)
+        mpi.Sendrecv(bits[s], right, 0, tmp[:counts[q]].view(bits[s].dtype), left, 0)
         np.add(part[q], tmp[:counts[q]], out=part[q])
     for t in range(p - 1):
         s, q = (r - t + 1) % p, (r - t) % p
-        mpi.Sendrecv(part[s], right, 0, part[q], left, 0)
+        mpi.Sendrecv(bits[s], right, 0, bits[q], left, 0)
 
 
 def _parse(argv):
@@ -75,6 +83,8 @@ def _parse(argv):
                    help="time budget per point (size x algorithm), which caps the rounds")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the shuffled order within each round (rank 0's is used)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="element type (default float32)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="simulate nodes of this many ranks (default: real topology)")
     p.add_argument("--no-refit", dest="refit", action="store_false",
@@ -94,7 +104,8 @@ def _parse(argv):
     if bad:
         p.error(f"unknown algorithm(s) {bad}; choose from {', '.join(every)}")
     if args.reps < 1 or any(s < 4 for s in args.sizes):
-        p.error("--reps must be >= 1 and every size >= 4 bytes (one float32)")
+        p.error("--reps must be >= 1 and every size >= 4 bytes")
+    args.dtype = DTYPES[args.dtype]
     return args
 
 
@@ -167,7 +178,7 @@ def _plot(rows, path: str, title: str) -> None:
                  label=alg, **style)
     for ax, ylabel in ((ax1, "time per allreduce (us)"), (ax2, "bus bandwidth (GB/s)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("message size (bytes, float32)")
+        ax.set_xlabel("message size (bytes)")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     ax1.set_yscale("log")
@@ -181,6 +192,7 @@ def _plot(rows, path: str, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from mpidist.bench.steadiness import Steadiness
     from mpidist.collectives import costmodel
+    from mpidist.collectives.ops import accumulator_dtype
     from mpidist.collectives.select import format_size
     from mpidist.comm import Communicator, mpi_library
     args = _parse(argv)
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               f"sizes to {format_size(cond['sizes'][-1])})") if cond else f"cost model {how}"
     dispatch = _dispatch_cost(c, 4096)
     library = "".join(ch for ch in mpi_library() if ch.isprintable())
-    header = (f"mpidist bench allreduce: {library}; {c.describe()}; float32; "
+    header = (f"mpidist bench allreduce: {library}; {c.describe()}; {args.dtype}; "
               f"load average {load:.1f} on {os.cpu_count()} cores; {probed}; auto dispatch "
               f"{dispatch['choose'] * 1e9:.0f} ns lookup, "
               f"{(dispatch['prepare_auto'] - dispatch['prepare_native']) * 1e9:+.0f} ns "
@@ -214,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     steadiness.sample()
     rows = []
     for k, nbytes in enumerate(args.sizes):
-        x = np.ones(nbytes // 4, np.float32)
+        x = np.ones(max(1, nbytes // args.dtype.itemsize), args.dtype)
+        reduced = x.size * accumulator_dtype(x.dtype).itemsize    # the bytes auto judges
         native_bw = None
         timed, n = _time_size(c, args.algorithms, x, args.reps, args.seconds, seed + k)
         paired = _auto_vs_best_paired(timed)
@@ -227,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             q1, q3 = np.percentile(samples, [25, 75])
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
-            pick = model.choose(x.nbytes) if alg == "auto" else alg
+            pick = model.choose(reduced) if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
-            pred = model.predict(pick, x.nbytes) if pick in model.candidates() else None
+            pred = model.predict(pick, reduced) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
                    "p25_us": q1 * 1e6, "p75_us": q3 * 1e6, "spread": (q3 - q1) / t,
                    "algbw_GBps": algbw, "busbw_GBps": busbw, "reps": n, "ok": ok,

@@ -61,6 +61,13 @@ def test_bench_and_explain_cli(tmp_path):
     assert len(steady["samples_s"]) == 3 and 0 < steady["min_s"] <= steady["max_s"]
     assert "machine steadiness:" in res.stdout
     assert (out / "allreduce.png").stat().st_size > 0 and (out / "allreduce.csv").exists()
+    res = _run(2, [sys.executable, "-m", "mpidist", "bench", "allreduce", "--sizes", "6K",
+                   "--dtype", "bfloat16", "--algorithms", "textbook,ring,auto", "--reps", "2",
+                   "--seconds", "0.05", "--no-refit", "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads((out / "allreduce.json").read_text())
+    assert "; bfloat16;" in data["header"] and all(r["ok"] for r in data["rows"])
+    assert {r["bytes"] for r in data["rows"]} == {6 << 10}
     res = _run(2, [sys.executable, "-m", "mpidist", "explain", "--sizes", "4K", "--reps", "1"],
                tmp_path)
     assert res.returncode == 0 and "predicted ms" in res.stdout, res.stdout + res.stderr
