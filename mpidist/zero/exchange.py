@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.collectives.ops import widen
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["ShardMap", "Pending", "reduce_scatter_start", "allgather_start"]
@@ -110,9 +111,13 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> P
     def finish():
         comm.from_mpi(recv_mpi, recv)
         local = buf[start - lo:start - lo + mine]
-        acc = None
+        acc, wide = None, None
         for r in range(comm.size):              # rank order: independent of arrival order
             piece = local if r == me else recv[slot[r]]
+            if piece.dtype == np.float16:       # NumPy's float16 cast is a scalar loop
+                wide = xp.empty(mine, np.float32) if wide is None else wide
+                widen(piece, wide)
+                piece = wide
             if acc is None:
                 acc = piece.astype(_accumulator_dtype(buf.dtype))
             else:
