@@ -308,7 +308,7 @@ def cache_path(comm) -> str:
     ident = json.dumps([hosts, comm.size, getattr(comm, "node_sizes", [comm.size]),
                         MPI.Get_library_version().strip().splitlines()[0], mpidist.__version__,
                         segment_bytes(), PROBE_SIZES, "pieces through probe points",
-                        "tree top exchange", "ring slices"])
+                        "tree top exchange"])
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     root = os.environ.get("MPIDIST_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "mpidist")
