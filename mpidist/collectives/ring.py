@@ -1,10 +1,9 @@
 """Ring allreduce: a reduce-scatter then an allgather around the ring r -> r+1.
 
 Each of the 2(p-1) steps moves one chunk (chunk() partition of the buffer) to the right
-neighbour. Chunks are cut into segments (slices) sent and received with nonblocking
-calls, and a segment is forwarded as soon as it has been reduced, so sending, receiving
-and reducing overlap along the ring; each slice runs through every step before the next
-one starts, so the scratch memory is a few segments whatever the message size. Each rank reduces one chunk completely (its own, chunk `rank`);
+neighbour. Chunks are cut into segments sent and received with nonblocking calls, and a
+segment is forwarded as soon as it has been reduced, so sending, receiving and reducing
+overlap along the ring. Each rank reduces one chunk completely (its own, chunk `rank`);
 the allgather phase then distributes that single copy, so every rank ends with the same
 bits. Per rank it moves 2(p-1)/p of the buffer, the bandwidth optimum.
 
@@ -72,77 +71,38 @@ def _segments(count: int, seg: int):
     return [(lo, min(lo + seg, count)) for lo in range(0, count, seg)]
 
 
-_TAG_FIRST = _TAG + 1       # step 0's slices, all sent at once
-_AHEAD = 2                  # receives posted ahead of the segment being waited for
-_SLOTS = 2 * _AHEAD         # scratch segments: posted receives + forwards still in flight
+def _ring_pass(mpi, nsteps: int, first, recv_target, process, seg: int) -> None:
+    """Run `nsteps` ring steps. Step 0 sends `first` to the right; step t receives from the
+    left into recv_target(t) segment by segment, calls process(t, lo, hi) on each segment
+    and sends what it returns to the right as part of step t+1.
 
-
-def _ring_pass(comm, first, steps, process, seg: int) -> None:
-    """Run the ring steps slice by slice, as NCCL orders them: slice j (elements
-    [j*seg, (j+1)*seg) of every chunk) goes through all the steps before slice j+1 starts.
-
-    first = (chunk, array): what step 0 sends to the right. steps[t] = (chunk, count, dest):
-    at step t this rank receives `count` elements of that chunk from the left, a slice at a
-    time, into dest[lo:hi], or where dest is None into one of _SLOTS rotating segment-sized
-    scratch buffers; process(t, lo, hi, got) handles each received slice and returns what
-    to send on to the right (that slice of step t+1), or None.
-
-    A slice forwarded at step t is the right neighbour's very next receive, so a few
-    segments of scratch serve any message size (a step-major order would need a
-    chunk-sized buffer per step in flight, 3n/p) and the slots stay in cache. Step 0's
-    slices read the caller's input, so all of them are sent at once, under their own tag;
-    the forwards reach the right neighbour in the order it posts their receives.
-    Buffer safety: a slot is reused once the forward reading it has completed; a receive
-    into caller memory first completes any send still reading that slice of that chunk
-    (in place, step 0 sends the chunk the allgather later overwrites). In place, the
-    reduce-scatter reads a slice of its own input before the allgather overwrites it: the
-    overwriting data is the chunk's total, which cannot exist before this rank has sent
-    its share of it.
+    From step 1 on, the receives of step t+1 are posted when step t starts, so the left
+    neighbour's forwarded segments find a posted receive (three scratch buffers rotate in
+    the reduce-scatter). Buffer safety: when step t starts, every send up to step t-1 has
+    completed, and step t+1 writes a chunk that no pending send of step t reads.
     """
-    mpi, p = comm.comm, comm.size
-    left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
-    c0, src = first
-    longest = max([len(src)] + [count for _, count, _ in steps])
-    plan = [(j * seg, t) for j in range(-(-longest // seg))
-            for t, (_, count, _) in enumerate(steps) if j * seg < count]
-    slots = scratch(comm, 0, _SLOTS * seg, src.dtype, like=src) \
-        if any(dest is None for _, _, dest in steps) else None
-    forwarding = [None] * _SLOTS              # the send still reading each slot
-    reading = {}                              # (chunk, lo) of caller memory -> its send
+    rank, size = mpi.Get_rank(), mpi.Get_size()
+    left, right = (rank - 1) % size, (rank + 1) % size
 
-    def post(g):
-        lo, t = plan[g]
-        c, count, dest = steps[t]
-        hi = min(lo + seg, count)
-        if dest is None:
-            k = g % _SLOTS
-            if forwarding[k] is not None:
-                forwarding[k].Wait()
-                forwarding[k] = None
-            got = slots[k * seg:k * seg + hi - lo]
-        else:
-            pending = reading.pop((c, lo), None)
-            if pending is not None:
-                pending.Wait()
-            got = dest[lo:hi]
-        return mpi.Irecv(got, left, _TAG_FIRST if t == 0 else _TAG), got
+    def post(t):
+        dst = recv_target(t)
+        segs = _segments(len(dst), seg)
+        return [mpi.Irecv(dst[lo:hi], left, _TAG) for lo, hi in segs], segs
 
-    for lo, hi in _segments(len(src), seg):
-        reading[c0, lo] = mpi.Isend(src[lo:hi], right, _TAG_FIRST)
-    posted = [post(g) for g in range(min(_AHEAD, len(plan)))]
-    for g, (lo, t) in enumerate(plan):
-        req, got = posted.pop(0)
-        req.Wait()
-        out = process(t, lo, lo + len(got), got)
-        if out is not None and t + 1 < len(steps):
-            req = mpi.Isend(out, right, _TAG)
-            if out is got and steps[t][2] is None:
-                forwarding[g % _SLOTS] = req
-            else:
-                reading[steps[t][0], lo] = req
-        if g + _AHEAD < len(plan):
-            posted.append(post(g + _AHEAD))
-    MPI.Request.Waitall([r for r in forwarding if r is not None] + list(reading.values()))
+    sends = [mpi.Isend(first[lo:hi], right, _TAG) for lo, hi in _segments(len(first), seg)]
+    recvs = post(0) if nsteps else None
+    for t in range(nsteps):
+        ahead = post(t + 1) if 1 <= t < nsteps - 1 else None
+        forward = []
+        for req, (lo, hi) in zip(*recvs):
+            req.Wait()
+            out = process(t, lo, hi)
+            if t + 1 < nsteps:
+                forward.append(mpi.Isend(out, right, _TAG))
+        MPI.Request.Waitall(sends)   # step t's sends: their buffers may be reused next step
+        sends = forward
+        recvs = ahead if ahead is not None else post(t + 1) if t + 1 < nsteps else None
+    MPI.Request.Waitall(sends)
 
 
 def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, steps) -> None:
@@ -185,19 +145,23 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     elif n <= seg * p:                                  # every chunk is one segment
         _reduce_scatter_unsegmented(comm, sendbuf, shard, op, schedule(n, r, p)[:p - 1])
     else:
-        steps = [((r - t - 2) % p, counts[(r - t - 2) % p], None) for t in range(p - 1)]
+        work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
+        chunk_of = [(r - t - 1) % p for t in range(p)]   # chunk sent at step t
 
-        def process(t, lo, hi, got):
-            c = steps[t][0]
+        def target(t):
+            return work[t % 3][:counts[chunk_of[t + 1]]]
+
+        def process(t, lo, hi):
+            c = chunk_of[t + 1]
             mine = sendbuf[displs[c] + lo:displs[c] + hi]
             if t == p - 2:                               # chunk c == r: the final result
-                reduce_into(op, got, mine, shard[lo:hi])
+                reduce_into(op, work[t % 3][lo:hi], mine, shard[lo:hi])
                 return None
-            reduce_into(op, got, mine, got)
-            return got
+            reduce_into(op, work[t % 3][lo:hi], mine, work[t % 3][lo:hi])
+            return work[t % 3][lo:hi]
 
-        c0 = (r - 1) % p
-        _ring_pass(comm, (c0, sendbuf[displs[c0]:displs[c0] + counts[c0]]), steps, process, seg)
+        c0 = chunk_of[0]
+        _ring_pass(mpi, p - 1, sendbuf[displs[c0]:displs[c0] + counts[c0]], target, process, seg)
     if finalize_n is not None:
         op.finalize(shard, finalize_n)
     return shard
@@ -215,11 +179,16 @@ def allgather(comm, shard, out):
     if 1 < p and n <= seg * p:                          # every chunk is one segment
         _allgather_unsegmented(comm, out, schedule(n, r, p)[p - 1:])
     elif p > 1:
-        steps = []
-        for t in range(p - 1):                          # step t brings chunk r-t-1
-            c = (r - t - 1) % p
-            steps.append((c, counts[c], out[displs[c]:displs[c] + counts[c]]))
-        _ring_pass(comm, (r, mine), steps, lambda t, lo, hi, got: got, seg)
+        chunk_of = [(r - t) % p for t in range(p)]        # chunk sent at step t
+
+        def target(t):
+            c = chunk_of[t + 1]
+            return out[displs[c]:displs[c] + counts[c]]
+
+        def process(t, lo, hi):
+            return target(t)[lo:hi]
+
+        _ring_pass(mpi, p - 1, mine, target, process, seg)
     return out
 
 
@@ -246,17 +215,22 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
         # 2. allgather
         _allgather_unsegmented(comm, recvbuf, steps[p - 1:])
         return recvbuf
+    mpi = comm.comm
     counts, displs = counts_displs(n, p)
-    steps = []
-    for t in range(2 * (p - 1)):                 # step t brings chunk r-t-2
-        c = (r - t - 2) % p
-        dest = None if t < p - 1 else recvbuf[displs[c]:displs[c] + counts[c]]
-        steps.append((c, counts[c], dest))      # 1. reduce-scatter into scratch, 2. allgather
+    work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
+    chunk_of = [(r - t - 1) % p for t in range(2 * p - 1)]   # chunk sent at step t
 
-    def process(t, lo, hi, got):
+    def target(t):
+        c = chunk_of[t + 1]
+        if t < p - 1:                        # 1. reduce-scatter: partial sums arrive in scratch
+            return work[t % 3][:counts[c]]
+        return recvbuf[displs[c]:displs[c] + counts[c]]   # 2. allgather: final chunks
+
+    def process(t, lo, hi):
+        c = chunk_of[t + 1]
         if t >= p - 1:
-            return got
-        c = steps[t][0]
+            return recvbuf[displs[c] + lo:displs[c] + hi]
+        got = work[t % 3][lo:hi]
         mine = sendbuf[displs[c] + lo:displs[c] + hi]
         if t < p - 2:
             reduce_into(op, got, mine, got)
@@ -266,6 +240,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
         op.finalize(done, p)
         return done
 
-    c0 = (r - 1) % p
-    _ring_pass(comm, (c0, sendbuf[displs[c0]:displs[c0] + counts[c0]]), steps, process, seg)
+    c0 = chunk_of[0]
+    _ring_pass(mpi, 2 * (p - 1), sendbuf[displs[c0]:displs[c0] + counts[c0]], target,
+               process, seg)
     return recvbuf
