@@ -18,11 +18,20 @@ from mpi4py import MPI
 from mpidist.errors import MismatchError, RemoteError
 from mpidist.kernels.backend import is_cupy, synchronize
 
-__all__ = ["Communicator", "Grid", "default_communicator", "as_communicator",
+__all__ = ["Communicator", "Grid", "default_communicator", "as_communicator", "on_free",
            "ENV_RANKS_PER_NODE", "ENV_CUDA_AWARE"]
 
 ENV_RANKS_PER_NODE = "MPIDIST_RANKS_PER_NODE"
 ENV_CUDA_AWARE = "MPIDIST_CUDA_AWARE"
+
+_free_hooks: list = []
+
+
+def on_free(hook) -> None:
+    """Register hook(communicator), which Communicator.free() calls on every rank before
+    the MPI communicator goes: modules that cache resources per communicator (shared
+    windows, worker threads, scratch memory) let them go with it, not at MPI_Finalize."""
+    _free_hooks.append(hook)
 
 
 @dataclass(frozen=True)
@@ -223,10 +232,13 @@ class Communicator:
 
     # ---------------------------------------------------------------- lifecycle
     def free(self) -> None:
-        """Free the private communicator and every cached sub-communicator (collective)."""
+        """Free the private communicator, every cached sub-communicator and what the
+        collectives hold for them (collective)."""
         if self._freed:
             return
         self._freed = True
+        for hook in _free_hooks:
+            hook(self)
         for sub in self._subcomms.values():
             sub.free()
         for child in (getattr(self, "node_comm", None), getattr(self, "inter_comm", None)):

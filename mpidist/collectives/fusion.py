@@ -25,7 +25,7 @@ from mpidist.collectives import guard, select
 from mpidist.collectives.core import _check_out, _flat, prepare_allreduce, run_allreduce
 from mpidist.collectives.ops import accumulator_dtype, get_op
 from mpidist.collectives.registry import get_algorithm
-from mpidist.comm import as_communicator
+from mpidist.comm import as_communicator, on_free
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["Handle", "allreduce_async", "buckets", "DEFAULT_BUCKET_BYTES"]
@@ -79,6 +79,17 @@ def _worker(c) -> _Worker:
         with _lock:
             _workers[c] = w
     return w
+
+
+def _stop_worker(c) -> None:
+    """Finish c's queued jobs and end its worker thread (from Communicator.free)."""
+    with _lock:
+        w = _workers.pop(c, None)
+    if w is not None:
+        w.pool.shutdown(wait=True)
+
+
+on_free(_stop_worker)
 
 
 def buckets(arrays, bucket_bytes: int) -> list[list[int]]:

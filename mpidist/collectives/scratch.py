@@ -8,6 +8,7 @@ import weakref
 
 import numpy as np
 
+from mpidist.comm import on_free
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["scratch", "release", "same_view"]
@@ -50,6 +51,9 @@ def release(comm=None) -> None:
             _buffers.clear()
         else:
             _buffers.pop(comm, None)
+
+
+on_free(release)
 
 
 def same_view(a, b) -> bool:

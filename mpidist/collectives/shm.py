@@ -31,6 +31,7 @@ from mpi4py import MPI
 from mpidist.collectives import ring
 from mpidist.collectives.ops import Op
 from mpidist.collectives.scratch import scratch
+from mpidist.comm import on_free
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "usable"]
@@ -70,6 +71,17 @@ def _window(comm, nbytes: int) -> _Window:
         with _lock:
             _windows[comm] = w
     return w
+
+
+def _release(comm) -> None:
+    """Free comm's window (collective, from Communicator.free on every rank)."""
+    with _lock:
+        w = _windows.pop(comm, None)
+    if w is not None:
+        w.free()
+
+
+on_free(_release)
 
 
 def _barrier(comm, w: _Window) -> None:
