@@ -1,5 +1,6 @@
-"""End-to-end runs under their own mpiexec: the benchmark and explain CLIs, and the
-hierarchical algorithm on 2 simulated nodes x 3 ranks (6 ranks)."""
+"""End-to-end runs under their own mpiexec: the benchmark and explain CLIs, the
+hierarchical algorithm on 2 simulated nodes x 3 ranks (6 ranks), and a 1 GiB message
+through every algorithm."""
 import json
 import os
 import subprocess
@@ -29,6 +30,31 @@ if c.rank == 0:
     print("HIER-2x3-OK")
 """
 
+GIB = """
+import numpy as np
+from mpi4py import MPI
+from mpidist.collectives import ALGORITHMS, allreduce
+from mpidist.comm import Communicator
+x = np.empty((1 << 30) // 4, np.float32)
+n, p, r = x.size, MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+marks = np.array([0, n // 2 - 1, n // 2, n - 1])   # ends and the middle chunk boundary
+bad = []
+for alg in ALGORITHMS:
+    c = Communicator()                 # freed after each: scratch and windows go with it
+    x.fill(1.0)
+    x[marks] = r
+    allreduce(x, algorithm=alg, comm=c)
+    wrong = np.count_nonzero(x[marks] != p * (p - 1) / 2)
+    x[marks] = p
+    wrong += np.count_nonzero(x != p)
+    if c.comm.allreduce(wrong):
+        bad.append(alg)
+    c.free()
+assert not bad, bad
+if r == 0:
+    print("ONE-GIB-OK")
+"""
+
 
 def _run(n, argv, tmp_path, extra_env=None):
     # a pytest started by mpiexec -n 1 must not hand its own job's identity to the child
@@ -44,6 +70,13 @@ def _run(n, argv, tmp_path, extra_env=None):
 def test_hierarchical_two_nodes_of_three(tmp_path):
     res = _run(6, [sys.executable, "-c", SIX], tmp_path)
     assert res.returncode == 0 and "HIER-2x3-OK" in res.stdout, \
+        f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+
+
+@pytest.mark.launcher
+def test_one_gibibyte_through_every_algorithm(tmp_path):
+    res = _run(2, [sys.executable, "-c", GIB], tmp_path)
+    assert res.returncode == 0 and "ONE-GIB-OK" in res.stdout, \
         f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
 
 
