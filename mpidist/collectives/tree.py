@@ -74,7 +74,7 @@ def _settle_root(comm, t: Tree, mine, out, op: Op, slot: int, tag: int) -> None:
         if not same_view(mine, out):
             out[...] = mine
     else:
-        theirs = scratch(comm, slot, len(mine), mine.dtype, like=mine)[:len(mine)]
+        theirs = scratch(comm, slot, len(mine), mine.dtype, like=mine)
         comm.comm.Sendrecv(mine, t.peer, tag, theirs, t.peer, tag)
         reduce_into(op, *((mine, theirs) if t.lead else (theirs, mine)), out)
     op.finalize(out, comm.size)
@@ -99,18 +99,19 @@ def _segments(lo: int, hi: int, seg: int):
 def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
     """Reduce up and broadcast down each (non-empty) tree's range as one message."""
     mpi = comm.comm
-    trees = [(2 * ti, t) for ti, t in enumerate(trees) if t.hi > t.lo]     # (tag offset, tree)
     # 1. reduce up: post every child's receive, let the leaves send, then reduce
-    inbox = []
-    for k, t in trees:
-        bufs = [scratch(comm, 10 + k + ci, t.hi - t.lo, sendbuf.dtype, like=sendbuf)
-                for ci in range(len(t.children))]
-        inbox.append([(mpi.Irecv(b, c, _TAG + k), b) for b, c in zip(bufs, t.children)])
-    ups = [mpi.Isend(sendbuf[t.lo:t.hi], t.parent, _TAG + k) for k, t in trees
-           if not t.children and t.parent is not None]
-    for (k, t), got in zip(trees, inbox):
-        if not got and t.parent is not None:
-            continue                                  # a leaf: sent above
+    work, ups = [], []                      # (tag offset, tree, [(request, buffer)])
+    for ti, t in enumerate(trees):
+        if t.hi > t.lo and (t.children or t.parent is None):
+            k = 2 * ti
+            got = [(mpi.Irecv(b, c, _TAG + k), b) for b, c in zip(
+                [scratch(comm, 10 + k + ci, t.hi - t.lo, sendbuf.dtype, like=sendbuf)
+                 for ci in range(len(t.children))], t.children)]
+            work.append((k, t, got))
+    for ti, t in enumerate(trees):
+        if t.hi > t.lo and not t.children and t.parent is not None:
+            ups.append(mpi.Isend(sendbuf[t.lo:t.hi], t.parent, _TAG + 2 * ti))
+    for k, t, got in work:
         acc, src = recvbuf[t.lo:t.hi], sendbuf[t.lo:t.hi]
         for req, buf in got:
             req.Wait()
@@ -121,13 +122,19 @@ def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
         else:                                         # a root: the tree's result
             _settle_root(comm, t, src, acc, op, 24 + k // 2, _TOP_TAG + k)
     # 2. broadcast down, roots first: my up-sends are done before the result overwrites them
-    MPI.Request.Waitall(ups)
+    if ups:
+        MPI.Request.Waitall(ups)
     downs = []
-    for k, t in sorted(trees, key=lambda kt: kt[1].parent is not None):
-        if t.parent is not None:
+    for k, t, _ in work:
+        if t.parent is None:
+            downs.extend(mpi.Isend(recvbuf[t.lo:t.hi], c, _TAG + k + 1) for c in t.children)
+    for ti, t in enumerate(trees):
+        if t.hi > t.lo and t.parent is not None:
+            k = 2 * ti
             mpi.Recv(recvbuf[t.lo:t.hi], t.parent, _TAG + k + 1)
-        downs.extend(mpi.Isend(recvbuf[t.lo:t.hi], c, _TAG + k + 1) for c in t.children)
-    MPI.Request.Waitall(downs)
+            downs.extend(mpi.Isend(recvbuf[t.lo:t.hi], c, _TAG + k + 1) for c in t.children)
+    if downs:
+        MPI.Request.Waitall(downs)
 
 
 def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees):
@@ -139,7 +146,7 @@ def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees):
     """
     mpi, p = comm.comm, comm.size
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
-    if all(t.hi - t.lo <= seg for t in trees):
+    if len(sendbuf) <= seg or all(t.hi - t.lo <= seg for t in trees):
         _unsegmented(comm, sendbuf, recvbuf, op, trees)
         return recvbuf
     trees = [_reduce_then_broadcast(t) for t in trees]
