@@ -15,6 +15,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mpidist.collectives.registry import algorithm_names
 from mpidist.errors import ConfigError
 
 __all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS",
@@ -94,10 +95,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "parallel": {
         "strategy": _f(str, "dp", "dp | zero | pipeline | ps | admm",
                        choices=("dp", "zero", "pipeline", "ps", "admm")),
-        "algorithm": _f(str, "auto", "allreduce algorithm (ring, tree, dbtree, hierarchical, "
-                        "recursive_doubling, rabenseifner, native, auto)",
-                        choices=("auto", "ring", "tree", "dbtree", "hierarchical", "recursive_doubling",
-                                 "rabenseifner", "native")),
+        "algorithm": _f(str, "auto", "allreduce algorithm (auto: the cost model's choice)",
+                        choices=tuple(algorithm_names())),
         "bucket_mb": _f((int, float), 4.0, "gradient bucket size in MiB (0 = one bucket after backward)", **_nonneg),
         "compression": _f(str, "none", "gradient compressor in mpidist.compress's registry, or none "
                           "(dp, zero, pipeline; powersgd: not zero stages 2, 3)"),
