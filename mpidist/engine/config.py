@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mpidist.collectives.registry import algorithm_names
+from mpidist.optim.schedules import SCHEDULES as LR_SCHEDULES
+from mpidist.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
 from mpidist.errors import ConfigError
 
 __all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS",
@@ -88,7 +90,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "lr": _f((int, float), 0.01, "peak learning rate", **_pos),
         "hyper": _f(dict, {}, "other optimizer arguments, e.g. {momentum = 0.9, weight_decay = 1e-4}"),
         "schedule": _f(str, "constant", "learning-rate schedule after warm-up (mpidist.optim.schedules)",
-                       choices=("constant", "cosine", "poly")),
+                       choices=LR_SCHEDULES),
         "warmup_steps": _f(int, 0, "linear warm-up steps from 0 to lr", **_nonneg),
         "end_lr": _f((int, float), 0.0, "final learning rate of cosine/poly decay", **_nonneg),
     },
@@ -116,7 +118,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
                     choices=("float32", "bfloat16", "float16")),
         "stages": _f(int, 2, "pipeline: pipeline stages (divides the world size)", **_pos),
         "microbatches": _f(int, 4, "pipeline: micro-batches per step", **_pos),
-        "schedule": _f(str, "1f1b", "pipeline: schedule name in mpidist.pipeline.schedules"),
+        "schedule": _f(str, "1f1b", "pipeline: schedule (mpidist.pipeline.schedules)",
+                       choices=tuple(PIPELINE_SCHEDULES)),
         "recompute": _f(bool, False, "pipeline: recompute activations in backward"),
         "virtual": _f(int, 1, "pipeline: model chunks per rank (schedule = 'interleaved')", **_pos),
         "partition": _f(str, "params", "pipeline: cut the layers by parameter count, measured cost, "
