@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mpidist.collectives.registry import algorithm_names
+from mpidist.nn.models import MODELS
 from mpidist.optim.schedules import SCHEDULES as LR_SCHEDULES
+from mpidist.ps.consistency import MODELS as CONSISTENCY_MODELS
 from mpidist.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
 from mpidist.errors import ConfigError
 
@@ -61,7 +63,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                               check=lambda v: 0 <= v <= 1, rule="in [0, 1]"),
     },
     "model": {
-        "name": _f(str, "mlp", "model", choices=("mlp", "cnn", "gpt")),
+        "name": _f(str, "mlp", "model", choices=tuple(MODELS)),
         "hidden": _f(list, [256, 256], "mlp: hidden layer sizes", **_ints),
         "activation": _f(str, "relu", "mlp: activation", choices=("relu", "gelu")),
         "channels": _f(list, [16, 32], "cnn: channels of the two conv blocks", **_ints),
@@ -128,7 +130,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                    "... start", **_ints),
         "zero": _f(int, 0, "pipeline: 1 = ZeRO stage 1 within each stage's data-parallel group",
                    choices=(0, 1)),
-        "consistency": _f(str, "bsp", "ps: bsp | ssp | asp", choices=("bsp", "ssp", "asp")),
+        "consistency": _f(str, "bsp", "ps: bsp | ssp | asp", choices=CONSISTENCY_MODELS),
         "servers": _f(int, 1, "ps: number of server ranks", **_pos),
         "staleness": _f(int, 0, "ps/ssp: bound on worker clock skew", **_nonneg),
         "straggler": _f((int, float), 0.0, "ps: seconds of delay injected per step on the slow worker "
