@@ -91,14 +91,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k:<8} {v}")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "info":
-        return info(rest)
-    if cmd == "bench":
-        return bench(rest)
     if cmd == "run":
         from mpidist.launcher import main as launch
         return launch(rest)
-    if cmd in _DISPATCH:
+    if cmd not in ("info", "bench", *_DISPATCH):
+        print(f"mpidist: unknown command {cmd!r}; commands: {', '.join(commands)}",
+              file=sys.stderr)
+        return 2
+    try:
+        if cmd == "info":
+            return info(rest)
+        if cmd == "bench":
+            return bench(rest)
         return int(importlib.import_module(_DISPATCH[cmd][0]).main(rest) or 0)
-    print(f"mpidist: unknown command {cmd!r}; commands: {', '.join(commands)}", file=sys.stderr)
-    return 2
+    except Exception:
+        _abort_job(cmd)
+        raise
+
+
+def _abort_job(cmd: str) -> None:
+    """After an unexpected exception on this rank of a multi-rank job: print it and end the
+    whole job with MPI_Abort, since the other ranks may wait for this one in a collective
+    forever (not every MPI's launcher ends a job when one rank exits with an error)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() \
+            or mpi.COMM_WORLD.Get_size() == 1:
+        return
+    import traceback
+    print(f"mpidist {cmd}: unexpected error on rank {mpi.COMM_WORLD.Get_rank()}, aborting the "
+          f"job\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    mpi.COMM_WORLD.Abort(1)

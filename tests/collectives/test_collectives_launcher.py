@@ -81,6 +81,17 @@ def test_one_gibibyte_through_every_algorithm(tmp_path):
 
 
 @pytest.mark.launcher
+def test_an_error_on_one_rank_ends_the_whole_job(tmp_path):
+    """Only rank 0 writes the bench's files: its failure must end the job, not leave rank 1
+    waiting in a collective (MPI_Abort from the CLI, whatever the launcher does)."""
+    res = _run(2, [sys.executable, "-m", "mpidist", "bench", "allreduce", "--sizes", "8",
+                   "--algorithms", "native", "--reps", "1", "--no-refit",
+                   "--out", os.devnull + "/bench"], tmp_path)
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "unexpected error on rank 0, aborting the job" in res.stderr, res.stderr
+
+
+@pytest.mark.launcher
 def test_bench_and_explain_cli(tmp_path):
     out = tmp_path / "bench"
     res = _run(2, [sys.executable, "-m", "mpidist", "bench", "allreduce", "--sizes", "8,64K",
