@@ -70,8 +70,8 @@ def _store(src, dst, widened: bool) -> None:
         return
     if is_cupy(dst) and not is_cupy(src):
         if widened:
-            src, half = np.empty(src.size, dst.dtype), src
-            narrow(half, src)
+            wide, src = src, np.empty(src.size, dst.dtype)
+            narrow(wide, src)
         dst.set(src)
     elif widened:
         narrow(src, dst)
