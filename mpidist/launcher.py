@@ -19,10 +19,11 @@ import argparse
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
-__all__ = ["cma_permitted", "mpiexec_argv", "mpi_env", "mpi_vendor", "main"]
+__all__ = ["cma_permitted", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,9 +136,55 @@ def mpiexec_argv(n: int, argv: list[str]) -> list[str]:
 
 
 def run(n: int, argv: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """Run argv on n ranks and wait (killing the whole job after `timeout` seconds)."""
-    return subprocess.run(mpiexec_argv(n, argv), env=mpi_env(n, kwargs.pop("env", None)),
-                          timeout=timeout, **kwargs)
+    """Run argv on n ranks and wait, like subprocess.run (env: the base of mpi_env).
+
+    The job runs in a process group of its own: after `timeout` seconds, or on an interrupt,
+    the whole group is killed (mpiexec and every rank), not only mpiexec, whose ranks
+    would otherwise keep polling (MPICH's do), and TimeoutExpired is raised."""
+    env = mpi_env(n, kwargs.pop("env", None))
+    if kwargs.pop("capture_output", False):
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with subprocess.Popen(mpiexec_argv(n, argv), env=env, start_new_session=True,
+                          **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            _end_session(proc)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _end_session(proc: subprocess.Popen) -> None:
+    """End a job started in a session of its own: SIGTERM to mpiexec (which ends its ranks),
+    then SIGKILL to whatever of the session is left, ranks included (Open MPI puts each
+    rank in a process group of its own, so killing mpiexec's group would miss them)."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in _session_members(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    proc.communicate()
+
+
+def _session_members(sid: int) -> list[int]:
+    """Pids of the processes in session sid (from /proc; just sid where there is none)."""
+    if not os.path.isdir("/proc"):
+        return [sid]
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()    # state ppid pgrp session ...
+            if int(fields[3]) == sid:
+                found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,12 @@ def run_pytest(tmp_path, n, body, *args, limit=120):
     """Run a throw-away test file with the real conftest under mpiexec -n n."""
     shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_case.py").write_text(body)
-    env = launcher.mpi_env(n)
-    env["MPIDIST_TEST_LOGDIR"] = str(tmp_path)
+    env = dict(os.environ, MPIDIST_TEST_LOGDIR=str(tmp_path))
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no",
             str(tmp_path / "test_case.py"), *args]
     start = time.monotonic()
-    proc = subprocess.run(launcher.mpiexec_argv(n, argv), env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=limit)
+    proc = launcher.run(n, argv, timeout=limit, env=env, cwd=tmp_path, capture_output=True,
+                        text=True)
     return proc, time.monotonic() - start
 
 
@@ -92,3 +91,26 @@ def test_single_copy_is_switched_off_only_where_the_probe_forbids_it():
     # osc/rdma over single copy crashes in Compare_and_swap (Open MPI 4.x): kept off then
     assert (env.get("OMPI_MCA_osc") == "^rdma") is permitted
     assert launcher.mpi_env(2, {**base, key: "cma"})[key] == "cma"
+
+
+@pytest.mark.launcher
+def test_a_timed_out_job_leaves_no_rank_behind(tmp_path):
+    """launcher.run's timeout ends every rank, even ranks that ignore SIGTERM and sit in
+    process groups of their own (Open MPI), not only mpiexec."""
+    token = f"mpidist-stray-{os.getpid()}"
+    body = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"time.sleep(60)  # {token}")
+    with pytest.raises(subprocess.TimeoutExpired):
+        launcher.run(2, [sys.executable, "-c", body], timeout=3, capture_output=True,
+                     env=launcher.without_job_variables(os.environ), cwd=tmp_path)
+    time.sleep(1)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and token in _cmdline(pid)]
+    assert not left, f"ranks still running: {left}"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""

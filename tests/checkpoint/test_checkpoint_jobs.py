@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpidist.checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, inspect_checkpoint
-from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
+from mpidist.launcher import mpi_env, mpiexec_argv, run, without_job_variables
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -28,8 +28,9 @@ def clean_env(n):
 
 
 def launch(n, argv, timeout=120, **kw):
-    return subprocess.run(mpiexec_argv(n, [sys.executable] + argv), env=clean_env(n),
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+    return run(n, [sys.executable] + argv, timeout=timeout,
+               env=without_job_variables(os.environ), capture_output=True, text=True, cwd=ROOT,
+               **kw)
 
 
 def ok(proc):

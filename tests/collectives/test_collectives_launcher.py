@@ -3,12 +3,11 @@ hierarchical algorithm on 2 simulated nodes x 3 ranks (6 ranks), and a 1 GiB mes
 through every algorithm."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
+from mpidist.launcher import run, without_job_variables
 
 SIX = """
 import hashlib
@@ -59,11 +58,9 @@ if r == 0:
 def _run(n, argv, tmp_path, extra_env=None):
     # a pytest started by mpiexec -n 1 must not hand its own job's identity to the child
     base = without_job_variables(os.environ)
-    env = mpi_env(n, base)
-    env["MPIDIST_CACHE_DIR"] = str(tmp_path / "cache")
-    env.update(extra_env or {})
-    return subprocess.run(mpiexec_argv(n, argv), env=env, capture_output=True, text=True,
-                          timeout=240, cwd=tmp_path)
+    base["MPIDIST_CACHE_DIR"] = str(tmp_path / "cache")
+    base.update(extra_env or {})
+    return run(n, argv, timeout=240, env=base, capture_output=True, text=True, cwd=tmp_path)
 
 
 @pytest.mark.launcher

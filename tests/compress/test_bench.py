@@ -2,12 +2,11 @@
 benchmarks print, tests assert behaviour; here the behaviour is the report's content)."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
+from mpidist.launcher import run, without_job_variables
 
 
 @pytest.mark.launcher
@@ -17,8 +16,7 @@ def test_bench_compress_reports_every_compressor(tmp_path):
             "--steps", "1", "--reps", "1", "--out", str(out)]
     # a fresh job: none of this process's own MPI job variables (mpiexec -n 1 pytest)
     base = without_job_variables(os.environ)
-    proc = subprocess.run(mpiexec_argv(2, argv), env=mpi_env(2, base), capture_output=True,
-                          text=True, timeout=170)
+    proc = run(2, argv, timeout=170, env=base, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     from mpidist.bench.compress import CONFIGS
     for label, _, _ in CONFIGS:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from mpidist.launcher import mpi_env, mpiexec_argv, without_job_variables
+from mpidist.launcher import run, without_job_variables
 
 pytestmark = pytest.mark.launcher
 
@@ -174,8 +174,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes(scheduler, tmp_path, how
     assert out["restart"] == "1" and out["resumed_from"]["step"] == stop
     ref = tmp_path / "ref"
     argv = [sys.executable, TOY, "--dir", str(ref), "--steps", steps, "--out", str(ref / "out.json")]
-    proc = subprocess.run(mpiexec_argv(2, argv), env=mpi_env(2, clean_env()), cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = run(2, argv, timeout=120, env=clean_env(), cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     want = json.loads((ref / "out.json").read_text())
     np.testing.assert_allclose(out["losses"], want["losses"], rtol=1e-6, atol=0)
