@@ -7,8 +7,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["get_array_module", "is_cupy", "cupy_available", "gpu_available", "to_numpy",
-           "synchronize", "cupy"]
+__all__ = ["get_array_module", "is_cupy", "kernels_for", "cupy_available", "gpu_available",
+           "to_numpy", "synchronize", "cupy"]
 
 
 def is_cupy(x) -> bool:
@@ -22,6 +22,16 @@ def get_array_module(*arrays):
         if is_cupy(x):
             return sys.modules["cupy"]
     return np
+
+
+def kernels_for(x):
+    """The kernel module for x: Numba CPU kernels for NumPy, GPU kernels for CuPy (the
+    compressors' encoders and decoders, and the half precision casts of the collectives)."""
+    if is_cupy(x):
+        from mpidist.kernels import compress_gpu
+        return compress_gpu
+    from mpidist.kernels import compress_cpu
+    return compress_cpu
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,8 +3,9 @@ fp16/bf16 casts also serve the collectives, which reduce half precision in float
 (NumPy's own float16 casts run a scalar loop, 4x slower than these bit manipulations).
 
 The per-element formulas are leaf scalar functions (`_f16_bits`, `_bf16_bits`,
-`_f32_bits_of_f16`, `_uniform`, `_qsgd_code`) that call nothing else, so the GPU module compiles the very same Python
-source (`.py_func`) with numba.cuda: the formula is written once for both devices.
+`_f32_bits_of_f16`, `_uniform`, `_qsgd_code`) that call nothing else, so the GPU module
+compiles the very same Python source (`.py_func`) with numba.cuda: the formula is written
+once for both devices.
 
 Integer arithmetic stays in explicitly typed unsigned values (no mixed signed/unsigned
 promotion to float, no 64-bit overflow), which keeps the scalar functions exact under

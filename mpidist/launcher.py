@@ -138,9 +138,9 @@ def mpiexec_argv(n: int, argv: list[str]) -> list[str]:
 def run(n: int, argv: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
     """Run argv on n ranks and wait, like subprocess.run (env: the base of mpi_env).
 
-    The job runs in a process group of its own: after `timeout` seconds, or on an interrupt,
-    the whole group is killed (mpiexec and every rank), not only mpiexec, whose ranks
-    would otherwise keep polling (MPICH's do), and TimeoutExpired is raised."""
+    The job runs in a session of its own: after `timeout` seconds, or on an interrupt, the
+    whole session is ended (_end_session: mpiexec and every rank), not only mpiexec, whose
+    ranks would otherwise keep running; then TimeoutExpired (or the interrupt) is raised."""
     env = mpi_env(n, kwargs.pop("env", None))
     if kwargs.pop("capture_output", False):
         kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE

@@ -8,8 +8,8 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
     python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
 
 For each size (bytes of --dtype, float32 by default; half precision is reduced in float32,
-so its model column and auto's choice are for the widened bytes) and algorithm: time of one allreduce, the median over
-interleaved rounds of the slowest rank's time after a warm-up (each round runs every
+so its model column and auto's choice are for the widened bytes) and algorithm: time of
+one allreduce, the median over interleaved rounds of the slowest rank's time after a warm-up (each round runs every
 algorithm once, auto included, in an order shuffled per round with a seed every rank
 shares: costmodel.time_rounds, as the cost model's probe measures), its spread (the
 interquartile range over the median), algbw = size / time and busbw = algbw * 2 (p-1) / p,

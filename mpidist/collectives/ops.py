@@ -16,6 +16,8 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.kernels.backend import kernels_for
+
 __all__ = ["Op", "OPS", "get_op", "SUPPORTED_DTYPES", "check_dtype", "accumulator_dtype",
            "dtype_name", "reduce_into", "widen", "narrow"]
 
@@ -93,18 +95,10 @@ def accumulator_dtype(dtype) -> np.dtype:
     return acc if acc is not None else _ACC[check_dtype(dtype)]
 
 
-def _cast_kernels(x):
-    if type(x) is np.ndarray:
-        from mpidist.kernels import compress_cpu
-        return compress_cpu
-    from mpidist.kernels import compress_gpu
-    return compress_gpu
-
-
 def widen(half, out) -> None:
     """out (float32, same device and length) = half (float16 or bfloat16), exactly, with
     the bit-level cast kernels (NumPy's float16 cast is a scalar loop, 4x slower)."""
-    kernels = _cast_kernels(half)
+    kernels = kernels_for(half)
     decode = kernels.fp16_decode if half.dtype == np.float16 else kernels.bf16_decode
     decode(half.view(np.uint16), out.view(np.uint32))
 
@@ -112,7 +106,7 @@ def widen(half, out) -> None:
 def narrow(wide, out) -> None:
     """out (float16 or bfloat16) = wide (float32) rounded to nearest even, as NumPy's cast
     rounds (NaN stays NaN, inf stays inf)."""
-    kernels = _cast_kernels(out)
+    kernels = kernels_for(out)
     if out.dtype == np.float16:
         kernels.fp16_encode(wide.view(np.uint32), 0, out.view(np.uint16))
     else:

@@ -23,18 +23,9 @@ import math
 
 import numpy as np
 
-from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
+from mpidist.kernels.backend import get_array_module, kernels_for, to_numpy
 
 __all__ = ["Compressor", "step_seed", "check_ratio", "kept_count", "check_multiple_of_8", "kernels_for"]
-
-
-def kernels_for(x):
-    """The kernel module for x: Numba CPU kernels for NumPy, GPU kernels for CuPy."""
-    if is_cupy(x):
-        from mpidist.kernels import compress_gpu
-        return compress_gpu
-    from mpidist.kernels import compress_cpu
-    return compress_cpu
 
 
 def step_seed(*words: int) -> int:

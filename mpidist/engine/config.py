@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mpidist.collectives.registry import algorithm_names
+from mpidist.errors import ConfigError
 from mpidist.nn.models import MODELS
 from mpidist.optim.schedules import SCHEDULES as LR_SCHEDULES
-from mpidist.ps.consistency import MODELS as CONSISTENCY_MODELS
 from mpidist.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
-from mpidist.errors import ConfigError
+from mpidist.ps.consistency import MODELS as CONSISTENCY_MODELS
 
 __all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS",
            "support_errors", "check_support"]
