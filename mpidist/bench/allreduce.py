@@ -19,7 +19,8 @@ whole argument check against an explicit algorithm's) is timed separately and pr
 the header. The model is probed afresh at the start (--no-refit keeps the cached one;
 --calibrate probes at exactly this sweep's sizes and repetitions, a first independent
 sweep); "model us" is its prediction for each algorithm, "error" its distance to this
-sweep's median. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
+sweep's median. auto is timed once its on-line trials (collectives.autotune) have settled
+on a pick; the summary says where they overrode the model's own choice. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
 the issue. Every call goes through the public allreduce() and its result is checked.
 A reference copy timed before the sweep and after each size (bench.steadiness) shows how
 much the machine's own speed drifted during the run.
@@ -115,10 +116,13 @@ MIN_ROUNDS = 3
 def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed: int):
     """{algorithm: (seconds per round, result ok)} and the rounds, for one size.
 
-    One checked warm-up call each, then interleaved rounds (costmodel.time_rounds), as
-    many as fit in about `seconds` per algorithm, at least MIN_ROUNDS, at most reps."""
-    from mpidist.collectives import allreduce
+    One checked warm-up call each (auto: as many as its on-line trials of this size take,
+    so that it is timed settled, as a training loop's thousands of calls see it), then
+    interleaved rounds (costmodel.time_rounds), as many as fit in about `seconds` per
+    algorithm, at least MIN_ROUNDS, at most reps."""
+    from mpidist.collectives import allreduce, autotune
     from mpidist.collectives.costmodel import time_rounds
+    from mpidist.collectives.ops import accumulator_dtype
 
     def call(alg):
         if alg == "textbook":
@@ -133,6 +137,10 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed:
         fn()
         first.append(time.perf_counter() - t0)
         ok.append(bool(x[0] == comm.size and x[-1] == comm.size))
+        if alg == "auto":
+            reduced = x.size * accumulator_dtype(x.dtype).itemsize
+            for _ in range(autotune.tuner(comm).calls_to_settle(reduced)):
+                fn()
     first = comm.comm.allreduce(sum(first), op=MPI.MAX)
     ok = np.array(ok, np.int32)
     comm.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)          # checked on every rank
@@ -143,10 +151,14 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed:
 
 def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:
     """Seconds per call, slowest rank, of auto's decision lookup (select.choose) and of
-    the whole argument check with "auto" and with "native" (prepare_allreduce)."""
+    the whole argument check with "auto" and with "native" (prepare_allreduce), once
+    auto has settled at nbytes (only then are its choices lookups, not trials to run)."""
+    from mpidist.collectives import allreduce, autotune
     from mpidist.collectives.core import prepare_allreduce
     from mpidist.collectives.select import choose
     x = np.ones(max(1, nbytes // 4), np.float32)
+    for _ in range(1 + autotune.tuner(comm).calls_to_settle(nbytes)):
+        allreduce(x, comm=comm)
     probes = {"choose": lambda: choose(comm, nbytes),
               "prepare_auto": lambda: prepare_allreduce(comm, x, "sum", "auto", None),
               "prepare_native": lambda: prepare_allreduce(comm, x, "sum", "native", None)}
@@ -191,7 +203,7 @@ def _plot(rows, path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mpidist.bench.steadiness import Steadiness
-    from mpidist.collectives import costmodel
+    from mpidist.collectives import autotune, costmodel
     from mpidist.collectives.ops import accumulator_dtype
     from mpidist.collectives.select import format_size
     from mpidist.comm import Communicator, mpi_library
@@ -225,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     steadiness = Steadiness(c.comm)
     steadiness.sample()
     rows = []
+    tuned = autotune.tuner(c)
     for k, nbytes in enumerate(args.sizes):
         x = np.ones(max(1, nbytes // args.dtype.itemsize), args.dtype)
         reduced = x.size * accumulator_dtype(x.dtype).itemsize    # the bytes auto judges
@@ -240,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             q1, q3 = np.percentile(samples, [25, 75])
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
-            pick = model.choose(reduced) if alg == "auto" else alg
+            pick = (tuned.decisions.get(reduced) or model.choose(reduced)) \
+                if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
             pred = model.predict(pick, reduced) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
@@ -249,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                    "vs_native": busbw / native_bw if native_bw else None,
                    "model_us": pred * 1e6 if pred is not None else None,
                    "model_error": (pred - t) / t if pred is not None else None,
-                   "vs_best_paired": paired if alg == "auto" else None}
+                   "vs_best_paired": paired if alg == "auto" else None,
+                   "model_pick": model.choose(reduced) if alg == "auto" else None}
             rows.append(row)
             if c.rank == 0:
                 vs = f"{row['vs_native']:.2f}x" if row["vs_native"] else "-"
@@ -273,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
                        "load_before": load, "load_after": os.getloadavg()[0],
                        "dispatch_s": dispatch, "steadiness": steadiness.summary(),
-                       "model": model.to_json(), "rows": rows}, f,
+                       "model": model.to_json(), "autotune": tuned.summary(), "rows": rows}, f,
                       indent=1)
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")
@@ -314,8 +329,11 @@ def _summary(rows, p: int) -> None:
                 line += (f"; best mpidist {top['algorithm']} "
                          f"{by[s, 'native']['time_us'] / top['time_us']:.2f}x native busbw")
         if (s, "auto") in by:
-            line += (f"; auto {by[s, 'auto']['time_us'] / best['time_us']:.2f}x best time "
-                     f"({by[s, 'auto']['vs_best_paired']:.2f}x paired)")
+            auto = by[s, "auto"]
+            trials = "" if auto["label"] == f"auto [{auto['model_pick']}]" else \
+                f", trials overrode the model's {auto['model_pick']}"
+            line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
+                     f"({auto['vs_best_paired']:.2f}x paired{trials})")
         errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]
                 if (s, a) in by and by[s, a]["model_error"] is not None]
         if errs and s >= (64 << 10):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpidist.collectives import guard, native, ring, select, shm
+from mpidist.collectives.autotune import Choice
 from mpidist.collectives.ops import (accumulator_dtype, check_dtype, dtype_name, get_op, narrow,
                                      widen)
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
@@ -83,7 +84,8 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     """Check the arguments on every rank together (mismatch guard included).
 
     Returns (comm, x, y, op, algorithm name): x the flat input, y the flat output (x itself
-    in place); "auto" is resolved here, identically on every rank.
+    in place); "auto" is resolved here, identically on every rank (to a name, or to the
+    autotune.Choice of a call on trial, which run_allreduce must then run).
     """
     c = as_communicator(comm)
     error, signature = None, None
@@ -111,9 +113,17 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:
-    """Run algorithm `name` on checked arguments: widen half precision, stage device data."""
+    """Run algorithm `name` on checked arguments: widen half precision, stage device data.
+    An autotune.Choice (auto on trial) is timed, or resolved to the pick, around that."""
     if x.size == 0:
         return
+    if isinstance(name, Choice):
+        name.run(c, lambda algorithm: _run_allreduce(c, x, y, opx, algorithm))
+    else:
+        _run_allreduce(c, x, y, opx, name)
+
+
+def _run_allreduce(c, x, y, opx, name: str) -> None:
     fn = ALGORITHMS[name]
     if type(x) is np.ndarray and accumulator_dtype(x.dtype) is x.dtype:    # the fast path
         fn(c, x, y, opx)

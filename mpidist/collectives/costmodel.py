@@ -357,9 +357,11 @@ def install(comm, model: CostModel) -> None:
     """Make `model` the one "auto" uses on comm in this process (the cache file is left
     alone); every rank must install the same model."""
     global _last
+    from mpidist.collectives import autotune
     with _lock:
         _models[comm] = model
     _last = (comm, model)
+    autotune.reset(comm)                  # its trials judged by the old model's shortlist
 
 
 def _read(path: str):

@@ -1,5 +1,6 @@
-"""algorithm="auto": the cheapest algorithm by the cost model, and `explain`, which prints
-the model's prediction beside a measurement for every algorithm.
+"""algorithm="auto": the cheapest algorithm by the cost model, checked on-line by the first
+calls of each size (autotune), and `explain`, which prints the model's prediction beside a
+measurement for every algorithm.
 
     python -m mpidist.launcher -n 4 -- mpidist explain --sizes 4K,64K,1M,64M
     mpiexec -n 4 mpidist explain --refit
@@ -8,20 +9,21 @@ from __future__ import annotations
 
 import argparse
 
-from mpidist.collectives import costmodel
+from mpidist.collectives import autotune, costmodel
 from mpidist.comm import Communicator, as_communicator, mpi_library
 
 __all__ = ["choose", "explain", "main", "parse_size"]
 
 
 def choose(comm, nbytes: int) -> str:
-    """The algorithm "auto" runs for nbytes on comm; the same on every rank.
-    Collective the first time a communicator asks (the model is loaded or probed); then a
-    lookup in the model's decisions (one per nbytes), a fraction of a microsecond."""
-    last_comm, model = costmodel.last_model()
+    """The algorithm "auto" runs for the next call of nbytes on comm; the same on every
+    rank. Collective the first time a communicator asks (the model is loaded or probed);
+    while a size is on trial, an autotune.Choice that the call must run; once settled, a
+    lookup in the tuner's decisions (one per nbytes), a fraction of a microsecond."""
+    last_comm, tuner = autotune.last()
     if last_comm is not comm:
-        model = costmodel.get_model(comm)
-    return model.decisions.get(nbytes) or model.choose(nbytes)
+        tuner = autotune.tuner(comm)
+    return tuner.decisions.get(nbytes) or tuner.choose(nbytes)
 
 
 def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:
