@@ -116,13 +116,12 @@ MIN_ROUNDS = 3
 def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed: int):
     """{algorithm: (seconds per round, result ok)} and the rounds, for one size.
 
-    One checked warm-up call each (auto: as many as its on-line trials of this size take,
-    so that it is timed settled, as a training loop's thousands of calls see it), then
+    One checked warm-up call each (auto's first call of a size runs its on-line trials,
+    so it is timed settled, as a training loop's thousands of calls see it), then
     interleaved rounds (costmodel.time_rounds), as many as fit in about `seconds` per
     algorithm, at least MIN_ROUNDS, at most reps."""
-    from mpidist.collectives import allreduce, autotune
+    from mpidist.collectives import allreduce
     from mpidist.collectives.costmodel import time_rounds
-    from mpidist.collectives.ops import accumulator_dtype
 
     def call(alg):
         if alg == "textbook":
@@ -137,10 +136,6 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed:
         fn()
         first.append(time.perf_counter() - t0)
         ok.append(bool(x[0] == comm.size and x[-1] == comm.size))
-        if alg == "auto":
-            reduced = x.size * accumulator_dtype(x.dtype).itemsize
-            for _ in range(autotune.tuner(comm).calls_to_settle(reduced)):
-                fn()
     first = comm.comm.allreduce(sum(first), op=MPI.MAX)
     ok = np.array(ok, np.int32)
     comm.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)          # checked on every rank
@@ -151,14 +146,10 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed:
 
 def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:
     """Seconds per call, slowest rank, of auto's decision lookup (select.choose) and of
-    the whole argument check with "auto" and with "native" (prepare_allreduce), once
-    auto has settled at nbytes (only then are its choices lookups, not trials to run)."""
-    from mpidist.collectives import allreduce, autotune
+    the whole argument check with "auto" and with "native" (prepare_allreduce)."""
     from mpidist.collectives.core import prepare_allreduce
     from mpidist.collectives.select import choose
     x = np.ones(max(1, nbytes // 4), np.float32)
-    for _ in range(1 + autotune.tuner(comm).calls_to_settle(nbytes)):
-        allreduce(x, comm=comm)
     probes = {"choose": lambda: choose(comm, nbytes),
               "prepare_auto": lambda: prepare_allreduce(comm, x, "sum", "auto", None),
               "prepare_native": lambda: prepare_allreduce(comm, x, "sum", "native", None)}
@@ -288,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
                        "load_before": load, "load_after": os.getloadavg()[0],
                        "dispatch_s": dispatch, "steadiness": steadiness.summary(),
-                       "model": model.to_json(), "autotune": tuned.summary(), "rows": rows}, f,
+                       "model": model.to_json(), "autotune": tuned.trials, "rows": rows}, f,
                       indent=1)
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")

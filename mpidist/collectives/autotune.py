@@ -1,27 +1,29 @@
-"""On-line check of auto's choice: the cost model shortlists, the first calls decide.
+"""On-line check of auto's choice: the cost model shortlists, a trial at the real size decides.
 
 The model is fitted by a short probe at another moment than the calls it predicts, and on
 a busy or oversubscribed machine its close calls go either way: at 16 MiB on 2 ranks it
 put the ring 3% ahead of MPI_Allreduce, which then ran 13% faster; at 1 MiB on 4 ranks it
 chose MPI_Allreduce, 2.9x slower than the shared-memory algorithm. So, as Intel MPI's
-autotuner does within an application's own calls, auto tries the model's shortlist in the
-first calls of each size class and keeps the fastest:
+autotuner does within an application's own calls, the first auto call of each size class
+times the model's shortlist on the call's own data before it runs:
 
     shortlist   the algorithms predicted within MARGIN of the model's best (at most
-                SHORTLIST, best first), at the first size met in the class
-    trials      the next (1 + ROUNDS) * len(shortlist) calls of the class run the shortlist
-                in rounds, each round in a shuffled order (costmodel.round_order); the
-                first round warms buffers and windows up and is not counted; each trial
-                starts after a barrier, and its time is recorded on this rank
-    agreement   the last trial ends with one MPI_Allreduce(MAX) of every candidate's
-                median time, so every rank keeps the same algorithm: the lowest
-    settled     later calls of the class run it; a one-entry shortlist settles at once
+                SHORTLIST, best first)
+    trials      one warm-up round (buffers, windows, caches), then up to ROUNDS timed
+                rounds (fewer for large messages: about TRIAL_SECONDS in all by the
+                model's predictions), each round every candidate once in a shuffled order
+                (costmodel.round_order), each after a barrier; out of place, from the
+                call's input into a scratch output, so the input is left as it was
+    agreement   one MPI_Allreduce(MAX) of every candidate's median time: every rank keeps
+                the same algorithm, the lowest; a one-entry shortlist needs no trial
 
-Size classes are quarter octaves of the bytes reduced. Which algorithm a call runs depends
-only on how many calls of its class the communicator has made, the same on every rank, so
-the trials stay collective; the state is per communicator, never shared with another
-communicator of the same layout. A call chosen before the agreement has finished (an
-asynchronous call queued behind the trials) is resolved when it runs, after the agreement.
+Later calls of the class look the pick up. Size classes are quarter octaves of the bytes
+reduced. The trial runs inside the first call, which every rank makes at the same point,
+so it is collective like the call itself; the state is per communicator, never shared
+with another communicator of the same layout. Every call of a class, the first included,
+runs the pick, so within a process auto's results do not change from call to call; the
+pick itself comes from timings, so a later process may pick otherwise: pin `algorithm`
+(the main job pins "ring") where runs must be bit-identical at 3 or more ranks.
 
 MPIDIST_AUTOTUNE=0 turns the trials off: auto is then the model's choice alone.
 """
@@ -38,12 +40,13 @@ from mpi4py import MPI
 
 from mpidist.collectives import costmodel
 
-__all__ = ["Tuner", "Choice", "tuner", "last", "reset", "enabled", "MARGIN", "SHORTLIST",
-           "ROUNDS"]
+__all__ = ["Tuner", "tuner", "last", "reset", "enabled", "size_class", "MARGIN", "SHORTLIST",
+           "ROUNDS", "TRIAL_SECONDS"]
 
 MARGIN = 2.0          # shortlist: predicted within this factor of the model's best
 SHORTLIST = 3         # at most this many candidates
-ROUNDS = 5            # counted trials per candidate (after one warm-up round)
+ROUNDS = 5            # timed rounds at most (after one warm-up round)
+TRIAL_SECONDS = 0.5   # fewer rounds where the model predicts more time than this
 
 
 def enabled() -> bool:
@@ -51,139 +54,60 @@ def enabled() -> bool:
 
 
 def size_class(nbytes: int) -> int:
-    """Quarter octaves: sizes within about 19% of each other share trials and the pick."""
+    """Quarter octaves: sizes within about 19% of each other share a trial and its pick."""
     return int(4 * math.log2(nbytes)) if nbytes > 0 else -1
 
 
-class _Class:
-    """The trials of one size class."""
-
-    def __init__(self, shortlist: list[str]):
-        self.shortlist = shortlist
-        self.trials = (1 + ROUNDS) * len(shortlist) if len(shortlist) > 1 else 0
-        self.handed = 0                            # calls chosen so far
-        self.reported = 0                          # trials that have run
-        self.samples: dict[str, list[float]] = {a: [] for a in shortlist}
-        self.pick: str | None = None if self.trials else shortlist[0]
-        self.failed = False
-
-
-class Choice(str):
-    """The algorithm name auto hands out while a size class is being tried: a trial (its
-    run is timed and reported) or a call queued behind the trials (resolved at run time).
-    Everything that only needs the name treats it as the str it is."""
-
-    def __new__(cls, name: str, tuner: "Tuner", cls_state: _Class, index: int):
-        self = super().__new__(cls, name)
-        self.tuner, self.state, self.index = tuner, cls_state, index
-        return self
-
-    def run(self, comm, fn) -> None:
-        """fn(algorithm) on comm (the communicator the call runs on), timed if a trial."""
-        self.tuner.run(self, comm, fn)
-
-
 class Tuner:
-    """auto's state for one communicator: the settled picks and the classes on trial."""
+    """auto's picks on one communicator: per exact size (the fast path) and per class."""
 
     def __init__(self, comm):
         self.comm = comm
-        self.decisions: dict[int, str] = {}        # nbytes -> settled pick: the fast path
-        self._classes: dict[int, _Class] = {}
-        self._cond = threading.Condition()
+        self.decisions: dict[int, str] = {}        # nbytes -> pick: the fast path
+        self.trials: dict[int, dict] = {}          # size class -> what its trial found
         self.enabled = enabled()
 
-    def choose(self, nbytes: int) -> str:
-        """The algorithm the next call of nbytes runs: a plain name once settled, else a
-        Choice. Every rank gets the same answer for the same call."""
+    def choose(self, nbytes: int, trial) -> str:
+        """The algorithm auto runs for nbytes; the same on every rank. On the first call of
+        a size class with a shortlist of several, trial(algorithm) runs (collectively) the
+        rounds that decide."""
         model = costmodel.get_model(self.comm)
         if model.levels["world"]["p"] == 1:
             return "native"
         if not self.enabled:
             return model.choose(nbytes)
-        with self._cond:
-            key = size_class(nbytes)
-            state = self._classes.get(key)
-            if state is None:
-                state = self._classes[key] = _Class(self._shortlist(model, nbytes))
-            if state.pick is not None:
-                if len(self.decisions) < 4096:
-                    self.decisions[nbytes] = state.pick
-                return state.pick
-            i = state.handed
-            state.handed += 1
-            k = len(state.shortlist)
-            name = state.shortlist[costmodel.round_order(k, i // k, key)[i % k]] \
-                if i < state.trials else state.shortlist[0]
-            return Choice(name, self, state, i)
+        key = size_class(nbytes)
+        found = self.trials.get(key)
+        if found is None:
+            found = self.trials[key] = self._trial(model, nbytes, key, trial)
+        if len(self.decisions) < 4096:
+            self.decisions[nbytes] = found["pick"]
+        return found["pick"]
 
-    @staticmethod
-    def _shortlist(model, nbytes: int) -> list[str]:
+    def _trial(self, model, nbytes: int, key: int, trial) -> dict:
         predicted = sorted((model.predict(a, nbytes), k, a)
                            for k, a in enumerate(model.candidates()))
         best = predicted[0][0]
-        return [a for t, _, a in predicted if t <= MARGIN * best or best <= 0][:SHORTLIST]
-
-    def run(self, choice: Choice, comm, fn) -> None:
-        state = choice.state
-        if choice.index >= state.trials:                  # queued behind the trials
-            with self._cond:
-                self._cond.wait_for(lambda: state.pick is not None)
-            fn(state.pick)
-            return
-        comm.comm.Barrier()            # time the algorithm, not the ranks' arrival skew
-        t0 = time.perf_counter()
-        try:
-            fn(str(choice))
-        except BaseException:
-            with self._cond:
-                state.failed = True
-                state.reported += 1
-                self._cond.notify_all()
-            raise
-        seconds = time.perf_counter() - t0
-        with self._cond:
-            if choice.index >= len(state.shortlist):      # round 0 only warms up
-                state.samples[str(choice)].append(seconds)
-            state.reported += 1
-            self._cond.notify_all()
-            if choice.index != state.trials - 1:
-                return
-            self._cond.wait_for(lambda: state.reported == state.trials)
-            medians = np.array([np.median(state.samples[a]) for a in state.shortlist])
-            failed = state.failed
-        if failed:                     # the trials broke: settle on the model's choice
-            pick = state.shortlist[0]
-        else:                          # the agreement: the slowest rank's view of each
-            comm.comm.Allreduce(MPI.IN_PLACE, medians, op=MPI.MAX)
-            pick = state.shortlist[int(np.argmin(medians))]
-        with self._cond:
-            state.pick = pick
-            self._cond.notify_all()
-
-    def summary(self) -> dict[int, dict]:
-        """{size class: {"shortlist", "pick", "median_s"}} of the classes met so far."""
-        with self._cond:
-            return {k: {"shortlist": list(s.shortlist), "pick": s.pick,
-                        "median_s": {a: float(np.median(v)) if v else None
-                                     for a, v in s.samples.items()}}
-                    for k, s in self._classes.items()}
-
-    def calls_to_settle(self, nbytes: int) -> int:
-        """How many more calls of nbytes's class until it runs its pick (0 once settled
-        or not yet met and settling at once); the same on every rank."""
-        with self._cond:
-            state = self._classes.get(size_class(nbytes))
-            if state is None:
-                return self._settle_calls(nbytes)
-            return max(0, state.trials - state.handed)
-
-    def _settle_calls(self, nbytes: int) -> int:
-        model = costmodel.get_model(self.comm)
-        if not self.enabled or model.levels["world"]["p"] == 1:
-            return 0
-        k = len(self._shortlist(model, nbytes))
-        return (1 + ROUNDS) * k if k > 1 else 0
+        shortlist = [a for t, _, a in predicted if t <= MARGIN * best or best <= 0][:SHORTLIST]
+        found = {"nbytes": nbytes, "shortlist": shortlist, "pick": shortlist[0],
+                 "model_pick": shortlist[0], "median_s": {}, "rounds": 0}
+        if len(shortlist) == 1:
+            return found
+        per_round = sum(max(t, 0.0) for t, _, a in predicted if a in shortlist)
+        rounds = max(1, min(ROUNDS, int(TRIAL_SECONDS / per_round) if per_round > 0 else ROUNDS))
+        times = np.empty((rounds, len(shortlist)))
+        for r in range(1 + rounds):
+            for j in costmodel.round_order(len(shortlist), r, key):
+                self.comm.comm.Barrier()        # time the algorithm, not the arrival skew
+                t0 = time.perf_counter()
+                trial(shortlist[j])
+                if r:                           # round 0 only warms up
+                    times[r - 1, j] = time.perf_counter() - t0
+        medians = np.median(times, axis=0)
+        self.comm.comm.Allreduce(MPI.IN_PLACE, medians, op=MPI.MAX)
+        found.update(pick=shortlist[int(np.argmin(medians))], rounds=rounds,
+                     median_s=dict(zip(shortlist, medians.tolist())))
+        return found
 
 
 _tuners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

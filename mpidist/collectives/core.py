@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from mpidist.collectives import guard, native, ring, select, shm
-from mpidist.collectives.autotune import Choice
 from mpidist.collectives.ops import (accumulator_dtype, check_dtype, dtype_name, get_op, narrow,
                                      widen)
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
@@ -84,8 +83,8 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     """Check the arguments on every rank together (mismatch guard included).
 
     Returns (comm, x, y, op, algorithm name): x the flat input, y the flat output (x itself
-    in place); "auto" is resolved here, identically on every rank (to a name, or to the
-    autotune.Choice of a call on trial, which run_allreduce must then run).
+    in place); "auto" is resolved here, identically on every rank (the first call of a
+    size may time candidates on x first: autotune).
     """
     c = as_communicator(comm)
     error, signature = None, None
@@ -109,21 +108,20 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     if not x.size:
         return c, x, y, opx, "native"
     # the bytes reduced: half precision is widened to float32 (the only 2-byte dtypes)
-    return c, x, y, opx, select.choose(c, x.nbytes if x.itemsize > 2 else 2 * x.nbytes)
+    return c, x, y, opx, select.choose(c, x.nbytes if x.itemsize > 2 else 2 * x.nbytes, x, opx)
+
+
+def trial_runner(c, x, opx):
+    """auto's trials on x: a function running one algorithm out of place from x into a
+    scratch output (x is left as it was)."""
+    out = get_array_module(x).empty_like(x)
+    return lambda algorithm: run_allreduce(c, x, out, opx, algorithm)
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:
-    """Run algorithm `name` on checked arguments: widen half precision, stage device data.
-    An autotune.Choice (auto on trial) is timed, or resolved to the pick, around that."""
+    """Run algorithm `name` on checked arguments: widen half precision, stage device data."""
     if x.size == 0:
         return
-    if isinstance(name, Choice):
-        name.run(c, lambda algorithm: _run_allreduce(c, x, y, opx, algorithm))
-    else:
-        _run_allreduce(c, x, y, opx, name)
-
-
-def _run_allreduce(c, x, y, opx, name: str) -> None:
     fn = ALGORITHMS[name]
     if type(x) is np.ndarray and accumulator_dtype(x.dtype) is x.dtype:    # the fast path
         fn(c, x, y, opx)

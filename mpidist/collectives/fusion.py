@@ -117,8 +117,9 @@ def _fused(comm, packed, opx, name, dests, bounds):
         d[...] = packed[lo:hi].reshape(d.shape)
 
 
-def _choose(c, x) -> str:
-    return select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize) if x.size else "native"
+def _choose(c, x, opx) -> str:
+    return select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize, x, opx) \
+        if x.size else "native"
 
 
 def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
@@ -167,14 +168,14 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
         if len(g) == 1:                 # one tensor: reduce it where it is, no packing
             i = g[0]
             dest = flat[i] if out is None else dests[i].reshape(-1)
-            name = algorithm if algorithm != "auto" else _choose(c, flat[i])
+            name = algorithm if algorithm != "auto" else _choose(c, flat[i], opx)
             futures.append(worker.submit(run_allreduce, flat[i], dest, opx, name))
             continue
         packed = get_array_module(flat[g[0]]).concatenate([flat[i] for i in g])
         ends = [0]
         for i in g:
             ends.append(ends[-1] + flat[i].size)
-        name = algorithm if algorithm != "auto" else _choose(c, packed)
+        name = algorithm if algorithm != "auto" else _choose(c, packed, opx)
         futures.append(worker.submit(_fused, packed, opx, name, [dests[i] for i in g],
                                      list(zip(ends[:-1], ends[1:]))))
     return Handle(futures, arrays if out is None else list(out))

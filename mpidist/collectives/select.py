@@ -9,21 +9,31 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 from mpidist.collectives import autotune, costmodel
 from mpidist.comm import Communicator, as_communicator, mpi_library
 
 __all__ = ["choose", "explain", "main", "parse_size"]
 
 
-def choose(comm, nbytes: int) -> str:
-    """The algorithm "auto" runs for the next call of nbytes on comm; the same on every
-    rank. Collective the first time a communicator asks (the model is loaded or probed);
-    while a size is on trial, an autotune.Choice that the call must run; once settled, a
-    lookup in the tuner's decisions (one per nbytes), a fraction of a microsecond."""
+def choose(comm, nbytes: int, x=None, op=None) -> str:
+    """The algorithm "auto" runs for nbytes on comm; the same on every rank. Collective the
+    first time a communicator asks (the model is loaded or probed) and at the first size
+    of each class (the trials time the model's shortlist on x, or on ones of nbytes, with
+    op: autotune); then a lookup in the tuner's decisions, a fraction of a microsecond."""
     last_comm, tuner = autotune.last()
     if last_comm is not comm:
         tuner = autotune.tuner(comm)
-    return tuner.decisions.get(nbytes) or tuner.choose(nbytes)
+    return tuner.decisions.get(nbytes) or tuner.choose(nbytes, _trial(comm, nbytes, x, op))
+
+
+def _trial(comm, nbytes: int, x, op):
+    from mpidist.collectives.core import trial_runner
+    from mpidist.collectives.ops import get_op
+    if x is None:
+        x = np.ones(max(1, nbytes // 4), np.float32)
+    return trial_runner(comm, x, get_op("sum" if op is None else op))
 
 
 def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:

@@ -1,5 +1,5 @@
-"""auto's on-line trials (collectives.autotune): the model's shortlist is tried in the first
-calls of a size, every rank settles on the same pick, and results stay right throughout."""
+"""auto's on-line trials (collectives.autotune): the first call of a size times the model's
+shortlist on its own data, every rank keeps the same pick, and every call runs that pick."""
 import time
 
 import numpy as np
@@ -15,78 +15,87 @@ def _model(p: int, predicted: dict) -> CostModel:
     return CostModel({"world": {"p": p, "gamma": 0.0, "fits": fits, "samples": {}}}, 1, 1)
 
 
-def _data(comm, n):
-    """Small integers: every algorithm's float32 sum is exact, so every call is checkable."""
-    return (np.arange(n) % 7 + comm.rank).astype(np.float32)
-
-
-def _expected(comm, n):
-    return comm.size * (np.arange(n) % 7) + comm.size * (comm.size - 1) / 2
+def _counting(monkeypatch, slow: str | None = None) -> dict:
+    """Count the runs of every algorithm (and make `slow` 20 ms slower), on every rank."""
+    runs = {}
+    for name, fn in list(registry.ALGORITHMS.items()):
+        def wrapped(*args, name=name, fn=fn):
+            runs[name] = runs.get(name, 0) + 1
+            if name == slow:
+                time.sleep(0.02)
+            fn(*args)
+        monkeypatch.setitem(registry.ALGORITHMS, name, wrapped)
+    return runs
 
 
 @pytest.mark.parametrize("n", [1000, 65536])
-def test_trials_settle_on_the_same_pick_on_every_rank(comm, n):
+def test_the_first_call_tries_the_shortlist_and_every_rank_keeps_one_pick(comm, n,
+                                                                          monkeypatch):
+    x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    before = x.copy()
+    out = np.empty_like(x)
+    runs = _counting(monkeypatch)
+    allreduce(x, comm=comm, out=out)
+    assert np.array_equal(x, before)                          # the trials leave it alone
     tuner = autotune.tuner(comm)
-    trials = tuner.calls_to_settle(4 * n)
-    for _ in range(trials + 3):
-        x = _data(comm, n)
-        assert np.array_equal(allreduce(x, comm=comm), _expected(comm, n))
-    assert tuner.calls_to_settle(4 * n) == 0
     if comm.size == 1:
-        assert trials == 0
+        assert tuner.decisions == {} and tuner.trials == {} and sum(runs.values()) == 1
         return
-    pick = tuner.decisions[4 * n]
-    states = list(tuner.summary().values())
-    assert len(states) == 1 and states[0]["pick"] == pick
-    shortlist = states[0]["shortlist"]
-    assert pick in shortlist and set(shortlist) <= set(costmodel.get_model(comm).candidates())
-    assert trials == (0 if len(shortlist) == 1 else (1 + autotune.ROUNDS) * len(shortlist))
+    found = tuner.trials[autotune.size_class(4 * n)]
+    shortlist, pick, rounds = found["shortlist"], found["pick"], found["rounds"]
+    assert set(shortlist) <= set(costmodel.get_model(comm).candidates()) and pick in shortlist
+    assert found["model_pick"] == costmodel.get_model(comm).choose(4 * n) == shortlist[0]
+    trials = (1 + rounds) * len(shortlist) if len(shortlist) > 1 else 0
+    assert runs == {a: (1 + rounds) + (a == pick) if trials else 1 for a in shortlist}
     assert len(set(comm.comm.allgather(pick))) == 1
+    # later calls look the pick up; in place and out of place give the same bits
+    results = [allreduce(x.copy(), comm=comm) for _ in range(3)]
+    assert runs[pick] == (1 + rounds) * (trials > 0) + 4
+    assert all(np.array_equal(r, out) for r in results)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_trials_overrule_a_model_that_is_wrong(comm, monkeypatch):
-    """The model puts "tree" far ahead, but tree is made 20 ms slower: the trials settle on
+    """The model puts "tree" far ahead, but tree is made 20 ms slower: the trials keep
     another algorithm of the shortlist, on every rank."""
-    tree = registry.ALGORITHMS["tree"]
-
-    def slow_tree(*args):
-        time.sleep(0.02)
-        tree(*args)
-
-    monkeypatch.setitem(registry.ALGORITHMS, "tree", slow_tree)
+    _counting(monkeypatch, slow="tree")
     model = _model(comm.size, {"tree": 10e-6, "ring": 13e-6, "native": 15e-6})
     costmodel.install(comm, model)
     assert model.choose(4096) == "tree"
-    tuner = autotune.tuner(comm)
-    for _ in range(tuner.calls_to_settle(4096) + 2):
-        x = _data(comm, 1024)
-        assert np.array_equal(allreduce(x, comm=comm), _expected(comm, 1024))
-    pick = tuner.decisions[4096]
+    x = (np.arange(1024) % 7 + comm.rank).astype(np.float32)
+    allreduce(x, comm=comm)
+    assert np.array_equal(x, comm.size * (np.arange(1024) % 7) + comm.size * (comm.size - 1) / 2)
+    pick = autotune.tuner(comm).decisions[4096]
     assert pick in ("ring", "native")
     assert len(set(comm.comm.allgather(pick))) == 1
 
 
-def test_async_calls_queued_behind_the_trials(comm):
-    """More asynchronous calls than there are trials, all started before any wait: the
-    calls queued behind the trials run the pick once it is agreed."""
-    n = 4096
-    xs = [_data(comm, n) for _ in range(autotune.tuner(comm).calls_to_settle(4 * n) + 5)]
+def test_asynchronous_calls_choose_the_same_way(comm, monkeypatch):
+    """allreduce_async resolves auto (trials included) when it is called; the fused buckets
+    of a list each get the pick of their own size."""
+    runs = _counting(monkeypatch)
+    xs = [np.full(4096, comm.rank + 1.0, np.float32) for _ in range(4)]
     handles = [allreduce_async(x, comm=comm) for x in xs]
+    handles.append(allreduce_async([np.ones(10, np.float32), np.ones(300000, np.float32)],
+                                   comm=comm, bucket_bytes=4096))
+    total = comm.size * (comm.size + 1) / 2
     for h, x in zip(handles, xs):
-        assert h.wait(timeout=60) is x
-        assert np.array_equal(x, _expected(comm, n))
-    assert autotune.tuner(comm).calls_to_settle(4 * n) == 0
+        assert h.wait(timeout=60) is x and np.all(x == total)
+    assert all(np.all(a == comm.size) for a in handles[-1].wait(timeout=60))
+    tuner = autotune.tuner(comm)
+    if comm.size > 1:
+        assert {4 * 4096, 40, 4 * 300000} <= set(tuner.decisions)
+        assert runs[tuner.decisions[4 * 4096]] >= 4
+        assert len(set(map(repr, comm.comm.allgather(sorted(tuner.decisions.items()))))) == 1
 
 
 def test_autotune_off_follows_the_model_alone(comm, monkeypatch):
     monkeypatch.setenv("MPIDIST_AUTOTUNE", "0")
+    runs = _counting(monkeypatch)
     model = _model(comm.size, {"tree": 10e-6, "ring": 13e-6})
     costmodel.install(comm, model)
-    tuner = autotune.tuner(comm)
-    assert tuner.calls_to_settle(4096) == 0
-    x = _data(comm, 1024)
-    assert np.array_equal(allreduce(x, comm=comm), _expected(comm, 1024))
-    assert type(tuner.choose(4096)) is str
-    assert tuner.choose(4096) == ("tree" if comm.size > 1 else "native")
-    assert tuner.summary() == {}
+    x = np.ones(1024, np.float32)
+    allreduce(x, comm=comm)
+    assert np.all(x == comm.size)
+    assert runs == {"tree" if comm.size > 1 else "native": 1}
+    assert autotune.tuner(comm).trials == {}
