@@ -12,8 +12,8 @@ times the model's shortlist on the call's own data before it runs:
     trials      one warm-up round (buffers, windows, caches), then up to ROUNDS timed
                 rounds (fewer for large messages: about TRIAL_SECONDS in all by the
                 model's predictions), each round every candidate once in a shuffled order
-                (costmodel.round_order), each after a barrier; out of place, from the
-                call's input into a scratch output, so the input is left as it was
+                (costmodel.round_order), each after a barrier, in place on a fresh copy
+                of the call's input (core.trial_runner), which is left as it was
     agreement   one MPI_Allreduce(MAX) of every candidate's median time: every rank keeps
                 the same algorithm, the lowest; a one-entry shortlist needs no trial
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -69,8 +68,8 @@ class Tuner:
 
     def choose(self, nbytes: int, trial) -> str:
         """The algorithm auto runs for nbytes; the same on every rank. On the first call of
-        a size class with a shortlist of several, trial(algorithm) runs (collectively) the
-        rounds that decide."""
+        a size class with a shortlist of several, trial(algorithm) -> seconds (collective:
+        core.trial_runner) times the rounds that decide."""
         model = costmodel.get_model(self.comm)
         if model.levels["world"]["p"] == 1:
             return "native"
@@ -98,11 +97,9 @@ class Tuner:
         times = np.empty((rounds, len(shortlist)))
         for r in range(1 + rounds):
             for j in costmodel.round_order(len(shortlist), r, key):
-                self.comm.comm.Barrier()        # time the algorithm, not the arrival skew
-                t0 = time.perf_counter()
-                trial(shortlist[j])
+                seconds = trial(shortlist[j])
                 if r:                           # round 0 only warms up
-                    times[r - 1, j] = time.perf_counter() - t0
+                    times[r - 1, j] = seconds
         medians = np.median(times, axis=0)
         self.comm.comm.Allreduce(MPI.IN_PLACE, medians, op=MPI.MAX)
         found.update(pick=shortlist[int(np.argmin(medians))], rounds=rounds,

@@ -7,6 +7,8 @@ wants); with `out=` the result goes to out and buf is left unchanged. `reduce_sc
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from mpidist.collectives import guard, native, ring, select, shm
@@ -112,10 +114,18 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
 
 
 def trial_runner(c, x, opx):
-    """auto's trials on x: a function running one algorithm out of place from x into a
-    scratch output (x is left as it was)."""
-    out = get_array_module(x).empty_like(x)
-    return lambda algorithm: run_allreduce(c, x, out, opx, algorithm)
+    """auto's trials on x: a function(algorithm) -> seconds that copies x into a scratch
+    buffer (x is left as it was), waits for every rank, and times the algorithm reducing
+    the copy in place, as a gradient fresh from backward is reduced."""
+    work = get_array_module(x).empty_like(x)
+
+    def seconds(algorithm: str) -> float:
+        work[...] = x
+        c.comm.Barrier()
+        t0 = time.perf_counter()
+        run_allreduce(c, work, work, opx, algorithm)
+        return time.perf_counter() - t0
+    return seconds
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:
