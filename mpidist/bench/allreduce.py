@@ -323,6 +323,8 @@ def _summary(rows, p: int) -> None:
             auto = by[s, "auto"]
             trials = "" if auto["label"] == f"auto [{auto['model_pick']}]" else \
                 f", trials overrode the model's {auto['model_pick']}"
+            if auto["label"] == f"auto [{best['algorithm']}]":
+                trials += "; auto ran the best itself: the gap is its dispatch and the sweep's noise"
             line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
                      f"({auto['vs_best_paired']:.2f}x paired{trials})")
         errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]

@@ -3,7 +3,8 @@
 The model is fitted by a short probe at another moment than the calls it predicts, and on
 a busy or oversubscribed machine its close calls go either way: at 16 MiB on 2 ranks it
 put the ring 3% ahead of MPI_Allreduce, which then ran 13% faster; at 1 MiB on 4 ranks it
-chose MPI_Allreduce, 2.9x slower than the shared-memory algorithm. So, as Intel MPI's
+chose MPI_Allreduce, 2.9x slower than the shared-memory algorithm; at 256 KiB on 2 ranks
+it predicted that algorithm, the fastest there, at 2.3x its time. So, as Intel MPI's
 autotuner does within an application's own calls, the first auto call of each size class
 times the model's shortlist on the call's own data before it runs:
 
@@ -42,8 +43,8 @@ from mpidist.collectives import costmodel
 __all__ = ["Tuner", "tuner", "last", "reset", "enabled", "size_class", "MARGIN", "SHORTLIST",
            "ROUNDS", "TRIAL_SECONDS"]
 
-MARGIN = 2.0          # shortlist: predicted within this factor of the model's best
-SHORTLIST = 3         # at most this many candidates
+MARGIN = 3.0          # shortlist: predicted within this factor of the model's best
+SHORTLIST = 5         # at most this many candidates
 ROUNDS = 5            # timed rounds at most (after one warm-up round)
 TRIAL_SECONDS = 0.5   # fewer rounds where the model predicts more time than this
 
