@@ -37,18 +37,19 @@ def _trial(comm, nbytes: int, x, op):
 
 
 def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:
-    """Collective: for every size and algorithm, predicted and measured seconds, and which
-    one auto picks. Rows: {"nbytes", "algorithm", "predicted", "measured", "chosen"}."""
+    """Collective: for every size and algorithm, predicted and measured seconds, the
+    model's choice and auto's pick after its trials. Rows: {"nbytes", "algorithm",
+    "predicted", "measured", "chosen" (by the model), "picked" (by auto)}."""
     c = as_communicator(comm)
     model = costmodel.get_model(c, refit=refit)
     rows = []
     for nbytes in sizes:
-        pick = model.choose(nbytes)
+        pick, picked = model.choose(nbytes), choose(c, nbytes)
         names = model.candidates() if c.size > 1 else ["native"]
         measured = costmodel.measure_all(c, names, nbytes, reps)
         rows.extend({"nbytes": int(nbytes), "algorithm": alg,
                      "predicted": model.predict(alg, nbytes), "measured": measured[alg],
-                     "chosen": alg == pick} for alg in names)
+                     "chosen": alg == pick, "picked": alg == picked} for alg in names)
     return rows
 
 
@@ -100,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cond['cores']} cores, sizes {format_size(cond['sizes'][0])}.."
                       f"{format_size(cond['sizes'][-1])}")
         print(f"{'size':>8} {'algorithm':>19} {'predicted ms':>13} {'measured ms':>12} "
-              f"{'error':>7}  auto")
+              f"{'error':>7}  choice (model: the prediction's; auto: after its trials)")
         for r in rows:
             err = (r["predicted"] - r["measured"]) / r["measured"] if r["measured"] else 0.0
+            marks = ", ".join(w for w, on in (("model", r["chosen"]), ("auto", r["picked"])) if on)
             print(f"{format_size(r['nbytes']):>8} {r['algorithm']:>19} "
                   f"{r['predicted'] * 1e3:13.3f} {r['measured'] * 1e3:12.3f} {err:+7.0%}  "
-                  f"{'<-' if r['chosen'] else ''}")
+                  f"{'<- ' + marks if marks else ''}")
     c.free()
     return 0

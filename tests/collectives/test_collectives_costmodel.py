@@ -171,6 +171,7 @@ def test_explain_rows(comm, cached_model):
     names = [r["algorithm"] for r in rows]
     assert names == (_model().candidates() if comm.size > 1 else ["native"])
     assert sum(r["chosen"] for r in rows) == 1 and all(r["measured"] > 0 for r in rows)
+    assert sum(r["picked"] for r in rows) == 1
 
 
 def test_parse_size():
