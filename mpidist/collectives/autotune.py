@@ -72,17 +72,17 @@ class Tuner:
         a size class with a shortlist of several, trial(algorithm) -> seconds (collective:
         core.trial_runner) times the rounds that decide."""
         model = costmodel.get_model(self.comm)
-        if model.levels["world"]["p"] == 1:
-            return "native"
-        if not self.enabled:
-            return model.choose(nbytes)
-        key = size_class(nbytes)
-        found = self.trials.get(key)
-        if found is None:
-            found = self.trials[key] = self._trial(model, nbytes, key, trial)
+        if model.levels["world"]["p"] == 1 or not self.enabled:
+            pick = model.choose(nbytes)
+        else:
+            key = size_class(nbytes)
+            found = self.trials.get(key)
+            if found is None:
+                found = self.trials[key] = self._trial(model, nbytes, key, trial)
+            pick = found["pick"]
         if len(self.decisions) < 4096:
-            self.decisions[nbytes] = found["pick"]
-        return found["pick"]
+            self.decisions[nbytes] = pick
+        return pick
 
     def _trial(self, model, nbytes: int, key: int, trial) -> dict:
         predicted = sorted((model.predict(a, nbytes), k, a)
