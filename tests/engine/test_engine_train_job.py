@@ -58,3 +58,20 @@ def test_bench_train_runs_at_small_size(tmp_path):
     rows = json.loads((tmp_path / "train.json").read_text())["rows"]
     assert [r["ranks"] for r in rows] == [1, 2] and all(r["samples_per_s"] > 0 for r in rows)
     assert "speed-up" in proc.stdout and (tmp_path / "train.png").exists()
+
+
+def test_bench_train_keeps_its_figures_when_the_ddp_peer_fails(monkeypatch):
+    """A DDP run that fails is tried again, then left out with its reason in the note."""
+    from mpidist.bench import train
+    calls = []
+
+    def flaky(size, args):
+        calls.append(size)
+        if size == 2 or len(calls) == 1:
+            raise RuntimeError(f"worker aborted at {size}")
+        return 100.0 * size
+
+    monkeypatch.setattr(train, "_torch_ddp", flaky)
+    rates, failed = train._torch_rates([1, 2], None)
+    assert rates == {1: 100.0} and calls == [1, 1, 2, 2]
+    assert failed == ["DDP at 2 ranks failed 2 times (RuntimeError: worker aborted at 2)"]
