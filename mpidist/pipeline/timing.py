@@ -7,7 +7,10 @@ of the makespan it did not compute, so the measured bubble is
 
     bubble = mean over ranks of idle / makespan
 
-which an ideal pipeline of uniform stages makes (p - 1) / (v m + p - 1).
+which an ideal pipeline of uniform stages makes (p - 1) / (v m + p - 1). Stages that are
+not quite uniform add the faster stages' wait for the slowest to that mean; the busiest
+rank's own idle / makespan ("bubble_busiest") leaves that imbalance out: it is the fill
+and drain the schedule itself costs on the critical stage.
 
 `replay` splits the distance from that ideal in two: it re-runs the ranks' programs with
 the compute times they measured but free, instant transfers. The ideal-to-replay part
@@ -37,6 +40,7 @@ def summarize(stats: StepStats, comm) -> dict:
         "busy": busy,
         "idle": idle,
         "bubble": float(np.mean(idle) / makespan) if makespan > 0 else 0.0,
+        "bubble_busiest": float(min(idle) / makespan) if makespan > 0 else 0.0,
         "peak_in_flight": in_flight,
         "peak_stash_bytes": peak_bytes,
         "microbatch_stash_bytes": mb_bytes,
@@ -53,7 +57,7 @@ def gather_events(stats: StepStats, comm, root: int = 0) -> list[list] | None:
 def replay(events_by_rank: list[list]) -> dict:
     """The step again with the measured compute durations, each compute starting as soon
     as its rank's previous compute and its input's producer (forward of the stage before,
-    backward of the stage after) have finished: {"makespan", "bubble"}."""
+    backward of the stage after) have finished: {"makespan", "bubble", "bubble_busiest"}."""
     durations = [[(kind, mb, stage, t1 - t0) for kind, mb, stage, t0, t1 in ev]
                  for ev in events_by_rank]
     last = max((e[2] for ev in durations for e in ev), default=0)
@@ -78,8 +82,11 @@ def replay(events_by_rank: list[list]) -> dict:
                              "never ran")
     makespan = max(clock)
     busy = [sum(e[3] for e in ev) for ev in durations]
-    bubble = float(np.mean([makespan - b for b in busy]) / makespan) if makespan > 0 else 0.0
-    return {"makespan": makespan, "bubble": bubble}
+    idle = [makespan - b for b in busy]
+    if makespan <= 0:
+        return {"makespan": makespan, "bubble": 0.0, "bubble_busiest": 0.0}
+    return {"makespan": makespan, "bubble": float(np.mean(idle) / makespan),
+            "bubble_busiest": float(min(idle) / makespan)}
 
 
 def plot_timeline(events_by_rank: list[list], path: str, title: str = "", virtual: int = 1,

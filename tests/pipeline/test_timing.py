@@ -26,6 +26,7 @@ def events(schedule, tf=1.0, tb=2.0, slow=None, factor=1.0):
 def test_uniform_compute_replays_to_the_ideal_bubble(name, p, m, v):
     got = replay(events(build_schedule(name, p, m, v), tf=1.0, tb=1.0))
     assert got["bubble"] == pytest.approx(ideal_bubble(p, m, v))
+    assert got["bubble_busiest"] == pytest.approx(ideal_bubble(p, m, v))
     assert got["makespan"] == pytest.approx(2 * (v * m + p - 1))     # per-chunk times of 1
 
 
@@ -47,3 +48,16 @@ def test_a_compute_whose_input_never_ran_is_an_error():
     ev[0] = [e for e in ev[0] if (e[0], e[1]) != ("F", 2)]        # stage 0 never runs F2
     with pytest.raises(ValueError, match="never ran"):
         replay(ev)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_a_faster_stage_waits_but_the_busiest_rank_keeps_the_ideal(name):
+    """Stage 0 computes 10% faster than stage 1: its wait for stage 1 grows with m and
+    lifts the mean bubble, while the busiest rank's idle stays within the fill and drain."""
+    m, p = 16, 2
+    ev = events(build_schedule(name, p, m))
+    ev[0] = [(k, i, s, 0.9 * t0, 0.9 * t1) for k, i, s, t0, t1 in ev[0]]
+    got = replay(ev)
+    ideal = ideal_bubble(p, m)
+    assert got["bubble"] > 1.5 * ideal
+    assert 0.85 * ideal < got["bubble_busiest"] <= ideal
