@@ -20,11 +20,15 @@ times the model's shortlist on the call's own data before it runs:
 
 Later calls of the class look the pick up. Size classes are quarter octaves of the bytes
 reduced. The trial runs inside the first call, which every rank makes at the same point,
-so it is collective like the call itself; the state is per communicator, never shared
-with another communicator of the same layout. Every call of a class, the first included,
-runs the pick, so within a process auto's results do not change from call to call; the
-pick itself comes from timings, so a later process may pick otherwise: pin `algorithm`
-(the main job pins "ring") where runs must be bit-identical at 3 or more ranks.
+so it is collective like the call itself; the trial state is per communicator. Every call
+of a class, the first included, runs the pick, so within a process auto's results do not
+change from call to call. A pick is also remembered with the model (CostModel.remember:
+in its cache file, beside the fits that shortlisted it; a refit forgets it), and a tuner
+starts from its communicator's first rank's remembered picks (one broadcast when it is
+made), so a later process on the same layout runs the same algorithm with no trial and
+repeats the earlier run's bits. Without that file a pick may differ between processes:
+pin `algorithm` (the main job pins "ring") where runs at 3 or more ranks must be
+bit-identical regardless.
 
 MPIDIST_AUTOTUNE=0 turns the trials off: auto is then the model's choice alone.
 """
@@ -62,10 +66,18 @@ class Tuner:
     """auto's picks on one communicator: per exact size (the fast path) and per class."""
 
     def __init__(self, comm):
+        """Collective: the model's remembered picks as comm's first rank holds them."""
         self.comm = comm
         self.decisions: dict[int, str] = {}        # nbytes -> pick: the fast path
         self.trials: dict[int, dict] = {}          # size class -> what its trial found
         self.enabled = enabled()
+        model = costmodel.get_model(comm)
+        remembered = comm.comm.bcast(dict(model.picks) if self.enabled else {}, root=0)
+        candidates = set(model.candidates())
+        for key, pick in remembered.items():
+            if pick in candidates:
+                self.trials[key] = {"pick": pick, "model_pick": None, "shortlist": [pick],
+                                    "median_s": {}, "rounds": 0, "remembered": True}
 
     def choose(self, nbytes: int, trial) -> str:
         """The algorithm auto runs for nbytes; the same on every rank. On the first call of
@@ -79,6 +91,8 @@ class Tuner:
             found = self.trials.get(key)
             if found is None:
                 found = self.trials[key] = self._trial(model, nbytes, key, trial)
+                if self.comm.rank == 0 and found["rounds"]:
+                    model.remember(key, found["pick"])
             pick = found["pick"]
         if len(self.decisions) < 4096:
             self.decisions[nbytes] = pick
@@ -90,7 +104,7 @@ class Tuner:
         best = predicted[0][0]
         shortlist = [a for t, _, a in predicted if t <= MARGIN * best or best <= 0][:SHORTLIST]
         found = {"nbytes": nbytes, "shortlist": shortlist, "pick": shortlist[0],
-                 "model_pick": shortlist[0], "median_s": {}, "rounds": 0}
+                 "model_pick": shortlist[0], "median_s": {}, "rounds": 0, "remembered": False}
         if len(shortlist) == 1:
             return found
         per_round = sum(max(t, 0.0) for t, _, a in predicted if a in shortlist)

@@ -203,9 +203,11 @@ class CostModel:
     "conditions": {...}}} plus the node shape (nodes, per_node). "pieces" (optional) wins
     over "fits": the first piece whose upto >= nbytes, the last one beyond."""
 
-    def __init__(self, levels: dict, nodes: int, per_node: int):
+    def __init__(self, levels: dict, nodes: int, per_node: int, picks: dict | None = None):
         self.levels, self.nodes, self.per_node = levels, nodes, per_node
         self.decisions: dict[int, str] = {}        # nbytes -> choose(nbytes), as met
+        self.picks: dict[int, str] = {int(k): v for k, v in (picks or {}).items()}
+        self.path: str | None = None               # the cache file it was read from or written to
 
     def candidates(self) -> list[str]:
         names = [a for a in FLAT if a in self.levels["world"]["fits"]]
@@ -245,11 +247,29 @@ class CostModel:
         return pick
 
     def to_json(self) -> dict:
-        return {"levels": self.levels, "nodes": self.nodes, "per_node": self.per_node}
+        d = {"levels": self.levels, "nodes": self.nodes, "per_node": self.per_node}
+        if self.picks:
+            d["picks"] = {str(k): v for k, v in sorted(self.picks.items())}
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
-        return cls(d["levels"], d["nodes"], d["per_node"])
+        return cls(d["levels"], d["nodes"], d["per_node"], d.get("picks"))
+
+    def remember(self, size_class: int, pick: str) -> None:
+        """Keep auto's pick for a size class (autotune) with this model, in its cache file
+        too when it has one, so later processes run the same algorithm without a trial.
+        Called by one rank (the communicator's first)."""
+        self.picks[size_class] = pick
+        if self.path is None:
+            return
+        data = _read(self.path)
+        mine = {"levels": self.levels, "nodes": self.nodes, "per_node": self.per_node}
+        if data is None or json.dumps({k: data.get(k) for k in mine}, sort_keys=True) != \
+                json.dumps(mine, sort_keys=True):
+            return                          # the file holds another model now: leave it
+        data.setdefault("picks", {})[str(size_class)] = pick
+        _write(self.path, data)
 
 
 def _probe_level(comm, algorithms, sizes, reps: int | None, seconds: float) -> dict:
@@ -346,6 +366,7 @@ def get_model(comm, refit: bool = False) -> CostModel:
         if comm.rank == 0:
             _write(path, data)
     model = CostModel.from_json(data)
+    model.path = path
     with _lock:
         _models[comm] = model
         _by_path[path] = model

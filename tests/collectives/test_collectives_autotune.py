@@ -1,5 +1,6 @@
 """auto's on-line trials (collectives.autotune): the first call of a size times the model's
 shortlist on its own data, every rank keeps the same pick, and every call runs that pick."""
+import json
 import time
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 
 from mpidist.collectives import allreduce, allreduce_async, autotune, costmodel, registry
 from mpidist.collectives.costmodel import CostModel, coefficients
+from mpidist.comm import Communicator
 
 
 def _model(p: int, predicted: dict) -> CostModel:
@@ -31,6 +33,8 @@ def _counting(monkeypatch, slow: str | None = None) -> dict:
 @pytest.mark.parametrize("n", [1000, 65536])
 def test_the_first_call_tries_the_shortlist_and_every_rank_keeps_one_pick(comm, n,
                                                                           monkeypatch):
+    cached = costmodel.get_model(comm)            # the machine's model, no remembered picks
+    costmodel.install(comm, CostModel(cached.levels, cached.nodes, cached.per_node))
     x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
     before = x.copy()
     out = np.empty_like(x)
@@ -100,3 +104,49 @@ def test_autotune_off_follows_the_model_alone(comm, monkeypatch):
     assert np.all(x == comm.size)
     assert runs == {"tree" if comm.size > 1 else "native": 1}
     assert autotune.tuner(comm).trials == {}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pick_is_remembered_in_the_cache_file_for_later_processes(comm, shared_dir,
+                                                                      monkeypatch):
+    """The trial's pick goes into the cached model's file; a new communicator on the same
+    layout (as a later process would) starts from it and runs no trial."""
+    monkeypatch.setenv("MPIDIST_CACHE_DIR", shared_dir)
+    path = costmodel.cache_path(comm)
+    if comm.rank == 0:
+        costmodel._write(path, _model(comm.size, {"tree": 10e-6, "ring": 13e-6,
+                                                  "native": 15e-6}).to_json())
+    comm.comm.Barrier()
+    runs = _counting(monkeypatch, slow="tree")
+    x = np.ones(1024, np.float32)
+    allreduce(x, comm=comm)
+    pick = autotune.tuner(comm).decisions[4096]
+    assert pick in ("ring", "native")
+    key = str(autotune.size_class(4096))
+    if comm.rank == 0:
+        with open(path) as fh:
+            assert json.load(fh)["picks"] == {key: pick}
+    later = Communicator()
+    try:
+        runs.clear()
+        allreduce(x, comm=later)
+        assert runs == {pick: 1} and np.all(x == comm.size ** 2)
+        assert autotune.tuner(later).trials[int(key)]["remembered"]
+    finally:
+        later.free()
+
+
+def test_remember_leaves_a_file_that_holds_another_model(tmp_path):
+    path = str(tmp_path / "model.json")
+    other = _model(2, {"ring": 1e-6, "tree": 2e-6}).to_json()
+    costmodel._write(path, other)
+    mine = _model(2, {"ring": 3e-6, "tree": 2e-6})
+    mine.path = path
+    mine.remember(48, "tree")
+    assert mine.picks == {48: "tree"}
+    with open(path) as fh:
+        assert json.load(fh) == other
+    costmodel._write(path, mine.to_json())
+    mine.remember(52, "ring")
+    with open(path) as fh:
+        assert CostModel.from_json(json.load(fh)).picks == {48: "tree", 52: "ring"}
