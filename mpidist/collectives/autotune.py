@@ -66,13 +66,15 @@ class Tuner:
     """auto's picks on one communicator: per exact size (the fast path) and per class."""
 
     def __init__(self, comm):
-        """Collective: the model's remembered picks as comm's first rank holds them."""
+        """Collective: MPIDIST_AUTOTUNE and the model's remembered picks as comm's first
+        rank has them (a setting that differed between ranks would hang the trials)."""
         self.comm = comm
         self.decisions: dict[int, str] = {}        # nbytes -> pick: the fast path
         self.trials: dict[int, dict] = {}          # size class -> what its trial found
-        self.enabled = enabled()
         model = costmodel.get_model(comm)
-        remembered = comm.comm.bcast(dict(model.picks) if self.enabled else {}, root=0)
+        on = enabled()
+        self.enabled, remembered = comm.comm.bcast((on, dict(model.picks) if on else {}),
+                                                   root=0)
         candidates = set(model.candidates())
         for key, pick in remembered.items():
             if pick in candidates:

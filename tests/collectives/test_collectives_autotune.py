@@ -150,3 +150,16 @@ def test_remember_leaves_a_file_that_holds_another_model(tmp_path):
     mine.remember(52, "ring")
     with open(path) as fh:
         assert CostModel.from_json(json.load(fh)).picks == {48: "tree", 52: "ring"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_follow_the_first_ranks_autotune_setting(comm, monkeypatch):
+    """MPIDIST_AUTOTUNE=0 on every rank but the first: all run the trials, none hangs."""
+    if comm.rank:
+        monkeypatch.setenv("MPIDIST_AUTOTUNE", "0")
+    costmodel.install(comm, _model(comm.size, {"tree": 10e-6, "ring": 13e-6}))
+    runs = _counting(monkeypatch)
+    x = np.ones(1024, np.float32)
+    allreduce(x, comm=comm)
+    assert np.all(x == comm.size) and autotune.tuner(comm).enabled
+    assert sum(runs.values()) == 1 + (1 + autotune.ROUNDS) * 2
