@@ -4,8 +4,10 @@ Transfers are nonblocking: a RECV action posts an Irecv into a pooled buffer (on
 action ahead, as the schedule places it) and the compute that needs it waits; a SEND
 action posts an Isend that completes in the background (a helper thread keeps MPI
 progressing while the rank computes, or "background" would mean "at the next MPI call").
-Shapes and dtypes of the
-activations cross each stage boundary once (a small pickled message before the first
+A SEND that directly follows its compute in the program is posted from within that
+compute as soon as the output exists, before the stash bookkeeping: between two large
+computes Python runs from cold caches, and every microsecond there keeps the receiver
+waiting. Shapes and dtypes of the activations cross each stage boundary once (a small pickled message before the first
 activation; gradients have the shape of the activation they belong to), so every later
 transfer lands in a reused buffer of the right size. They are exchanged again only when
 the micro-batch shape changes.
@@ -144,6 +146,13 @@ class PipelineExecutor:
                                "MPI_THREAD_MULTIPLE (mpi4py's default thread level)")
         self.progress_thread = multiple if progress_thread is None else bool(progress_thread)
         self.program = [a for a in schedule.programs[comm.rank] if a is not None]
+        # computes whose SEND comes right after them: posted from within the compute, as
+        # soon as its output exists (before the stash bookkeeping), and skipped when met
+        follows = {FORWARD: SEND_F, BACKWARD: SEND_B}
+        self._send_now = {Action(follows[a.kind], a.microbatch, a.stage)
+                          for a, b in zip(self.program, self.program[1:])
+                          if a.kind in follows and b == Action(follows[a.kind], a.microbatch,
+                                                               a.stage)}
         self._last = schedule.num_stages - 1
         self._meta_tag = 2 * schedule.num_stages
         self._probe_tag = 3 * schedule.num_stages       # no message ever carries it
@@ -236,7 +245,7 @@ class PipelineExecutor:
                 stats.busy += t1 - t0
                 stats.events.append((action.kind, action.microbatch, action.stage,
                                      t0 - t_start, t1 - t_start))
-            else:
+            elif action not in self._send_now:
                 handlers[action.kind](action)
         MPI.Request.Waitall([r for r, _ in self._sends])
         stats.wall = MPI.Wtime() - t_start
@@ -352,7 +361,6 @@ class PipelineExecutor:
         stage = self.stages[s]
         rng = stage.rng_state() if self.recompute else None
         out = stage.forward(h, self._train)
-        caches = None if self.recompute else stage.stash()
         dout = None
         if s == self._last:
             loss, correct = self.loss.forward(out, self._ys[i])
@@ -363,6 +371,9 @@ class PipelineExecutor:
             self._local[Action(FORWARD, i, s + 1)] = out
         else:
             self._out[(FORWARD, i, s)] = out
+            if Action(SEND_F, i, s) in self._send_now:
+                self._send(Action(SEND_F, i, s))
+        caches = None if self.recompute else stage.stash()
         nbytes = stash_nbytes(h, caches, dout)
         self._stash[(i, s)] = (h, caches, rng, dout, nbytes)
         self._in_flight += 1
@@ -393,5 +404,7 @@ class PipelineExecutor:
                 self._local[Action(BACKWARD, i, s - 1)] = dx
             else:
                 self._out[(BACKWARD, i, s)] = dx
+                if Action(SEND_B, i, s) in self._send_now:
+                    self._send(Action(SEND_B, i, s))
         self._release(h)
         self._release(dout)
