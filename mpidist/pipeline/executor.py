@@ -233,7 +233,8 @@ class PipelineExecutor:
         for action in self.program:
             if action.kind in (FORWARD, BACKWARD):
                 data = self._input(action)            # waiting for it is idle time
-                self._progress()
+                if self._helper is None:              # else the helper drives progress
+                    self._progress()
                 helping = self._helper is not None and bool(self._sends or self._recvs)
                 if helping:
                     self._helper.computing.set()
