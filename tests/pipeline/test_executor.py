@@ -1,9 +1,10 @@
 """The executor on real ranks: pipeline training equals single-rank training (float64)."""
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpidist.nn import GPT, MLP, Dropout, Linear, Sequential, SoftmaxCrossEntropy, materialize
-from mpidist.pipeline.executor import PipelineExecutor
+from mpidist.pipeline.executor import PipelineExecutor, single_copy
 from mpidist.pipeline.partition import by_params
 from mpidist.pipeline.schedules import build_schedule
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
@@ -75,12 +76,21 @@ def test_pipeline_training_equals_single_rank(comm, name, virtual, recompute):
 @pytest.mark.mpi(min_size=2)
 def test_progress_thread_changes_timing_only(comm):
     x, y = _data(comm.size)
-    with_thread, _, ex = _pipeline(comm, _mlp, x, y, "1f1b", keep_grads=True)
+    with_thread, _, ex = _pipeline(comm, _mlp, x, y, "1f1b", keep_grads=True,
+                                   progress_thread=True)
     without, _, ex_off = _pipeline(comm, _mlp, x, y, "1f1b", keep_grads=True,
                                    progress_thread=False)
     assert ex.progress_thread and not ex_off.progress_thread      # mpi4py: THREAD_MULTIPLE
     for name, g in with_thread.items():
         np.testing.assert_array_equal(without[name], g)
+
+
+def test_the_helper_thread_is_on_unless_transfers_move_by_single_copy(comm, monkeypatch):
+    monkeypatch.setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    assert not single_copy(comm)
+    monkeypatch.setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "cma")
+    assert single_copy(comm) == ("Open MPI" in MPI.Get_library_version()
+                                 and comm.num_nodes == 1)
 
 
 @pytest.mark.mpi(min_size=3)
