@@ -30,8 +30,11 @@ def info(argv: list[str] | None = None) -> int:
     from mpidist.comm import Communicator, mpi_library
     from mpidist.kernels.backend import cupy_available, gpu_available
 
+    from mpidist.collectives import autotune, costmodel
+
     comm = Communicator(ranks_per_node=args.ranks_per_node)
     hosts = comm.comm.gather(MPI.Get_processor_name(), root=0)
+    model_path = costmodel.cache_path(comm)             # collective
     if comm.rank == 0:
         import h5py
         import numba
@@ -51,6 +54,7 @@ def info(argv: list[str] | None = None) -> int:
             ("CuPy", "yes, GPU present" if gpu_available() else
                      ("installed, no GPU" if cupy_available() else "not installed")),
             ("Python", f"{platform.python_version()} on {platform.machine()}"),
+            ("allreduce auto", _auto_line(model_path, autotune.enabled())),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
@@ -58,6 +62,18 @@ def info(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     comm.free()
     return 0
+
+
+def _auto_line(path: str, trials: bool) -> str:
+    """How "auto" will choose on this layout: the cached cost model and remembered picks."""
+    import json
+    try:
+        with open(path) as fh:
+            picks = len(json.load(fh).get("picks", {}))
+        model = f"cost model cached at {path}, {picks} size classes with a remembered pick"
+    except (OSError, ValueError):
+        model = f"no cost model cached yet (the first auto call probes, then caches it at {path})"
+    return f"{model}; on-line trials {'on' if trials else 'off (MPIDIST_AUTOTUNE=0)'}"
 
 
 def _bench_names() -> list[str]:

@@ -116,3 +116,7 @@ def test_bench_and_explain_cli(tmp_path):
     assert 1 <= len(marked) <= 2, res.stdout           # the model's choice and auto's pick
     assert any("model" in m for m in marked) and any("auto" in m for m in marked)
     assert os.listdir(tmp_path / "cache")
+    res = _run(2, [sys.executable, "-m", "mpidist", "info"], tmp_path)
+    assert res.returncode == 0 and "MPI library" in res.stdout, res.stdout + res.stderr
+    assert "allreduce auto  cost model cached at" in res.stdout, res.stdout
+    assert "remembered pick; on-line trials on" in res.stdout, res.stdout
