@@ -81,10 +81,10 @@ class Tuner:
                 self.trials[key] = {"pick": pick, "model_pick": None, "shortlist": [pick],
                                     "median_s": {}, "rounds": 0, "remembered": True}
 
-    def choose(self, nbytes: int, trial) -> str:
+    def choose(self, nbytes: int, make_trial) -> str:
         """The algorithm auto runs for nbytes; the same on every rank. On the first call of
-        a size class with a shortlist of several, trial(algorithm) -> seconds (collective:
-        core.trial_runner) times the rounds that decide."""
+        a size class with a shortlist of several, make_trial() gives the function
+        algorithm -> seconds (collective: core.trial_runner) that times the deciding rounds."""
         model = costmodel.get_model(self.comm)
         if model.levels["world"]["p"] == 1 or not self.enabled:
             pick = model.choose(nbytes)
@@ -92,7 +92,7 @@ class Tuner:
             key = size_class(nbytes)
             found = self.trials.get(key)
             if found is None:
-                found = self.trials[key] = self._trial(model, nbytes, key, trial)
+                found = self.trials[key] = self._trial(model, nbytes, key, make_trial)
                 if self.comm.rank == 0 and found["rounds"]:
                     model.remember(key, found["pick"])
             pick = found["pick"]
@@ -100,7 +100,7 @@ class Tuner:
             self.decisions[nbytes] = pick
         return pick
 
-    def _trial(self, model, nbytes: int, key: int, trial) -> dict:
+    def _trial(self, model, nbytes: int, key: int, make_trial) -> dict:
         predicted = sorted((model.predict(a, nbytes), k, a)
                            for k, a in enumerate(model.candidates()))
         best = predicted[0][0]
@@ -112,6 +112,7 @@ class Tuner:
         per_round = sum(max(t, 0.0) for t, _, a in predicted if a in shortlist)
         rounds = max(1, min(ROUNDS, int(TRIAL_SECONDS / per_round) if per_round > 0 else ROUNDS))
         times = np.empty((rounds, len(shortlist)))
+        trial = make_trial()
         for r in range(1 + rounds):
             for j in costmodel.round_order(len(shortlist), r, key):
                 seconds = trial(shortlist[j])

@@ -341,11 +341,6 @@ _lock = threading.Lock()
 _last: tuple = (None, None)        # the communicator asked last, and its model
 
 
-def last_model() -> tuple:
-    """(communicator, model) of the last get_model call: the fast path of "auto"."""
-    return _last
-
-
 def get_model(comm, refit: bool = False) -> CostModel:
     """Collective on first use per communicator: the cached model, loaded or probed."""
     global _last

@@ -25,7 +25,8 @@ def choose(comm, nbytes: int, x=None, op=None) -> str:
     last_comm, tuner = autotune.last()
     if last_comm is not comm:
         tuner = autotune.tuner(comm)
-    return tuner.decisions.get(nbytes) or tuner.choose(nbytes, _trial(comm, nbytes, x, op))
+    return tuner.decisions.get(nbytes) or \
+        tuner.choose(nbytes, lambda: _trial(comm, nbytes, x, op))
 
 
 def _trial(comm, nbytes: int, x, op):
