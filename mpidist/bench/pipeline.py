@@ -7,21 +7,21 @@ schedules on uniform stages, against the ideal bubble (p - 1) / (m + p - 1).
 
 Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls, no sleeps), so
 the stages are uniform (interleaved: `--virtual` chunks of layers / virtual blocks; the
-loss is 0.5 sum(y^2), one cheap pass, so the last stage is no slower than the others); a micro-batch is `--rows` rows. For each schedule, p in --stages
-(the first p ranks run it, the others sleep) and m in --microbatches: one warm-up step, then
---steps steps; the figures are medians over those steps. "bubble" is the mean over ranks of
-idle / makespan (mpidist.pipeline.timing), "err" its distance from the ideal relative to
-the ideal (target: within 15% for GPipe and 1F1B; "ok" judges this one); "busiest" is the
-busiest rank's own idle / makespan, with its "err": the fill and drain of the schedule on
-the critical stage, without the other stages' wait for it (stages of the same work still
-differ by a percent or two on a shared machine, and at m = 16 that alone moves the mean
-by more than the 15% allow); "replay" is the bubble the same step
-would have had with its measured compute times and instant transfers (timing.replay), so
-ideal -> replay is the compute's own unevenness (jitter, imbalance) and replay -> bubble
-the executor's transfers and dispatch; "peak mb" is the largest peak of
-stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m). A reference
-copy timed before each run (bench.steadiness) shows how much the machine's own speed
-drifted meanwhile.
+loss is 0.5 sum(y^2), one cheap pass, so the last stage is no slower than the others); a
+micro-batch is `--rows` rows. For each schedule, p in --stages (the first p ranks run it,
+the others sleep) and m in --microbatches: one warm-up step, then --steps steps; the
+figures are medians over those steps. "bubble" is the mean over ranks of idle / makespan
+(mpidist.pipeline.timing), "err" its distance from the ideal relative to the ideal (target:
+within 15% for GPipe and 1F1B; "ok" judges this one); "busiest" is the busiest rank's own
+idle / makespan, with its "err": the fill and drain of the schedule on the critical stage,
+without the other stages' wait for it (stages of the same work still differ by a percent or
+two on a shared machine, and at m = 16 that alone moves the mean by more than the 15%
+allow); "replay" is the bubble the same step would have had with its measured compute times
+and instant transfers (timing.replay), so ideal -> replay is the compute's own unevenness
+(jitter, imbalance) and replay -> bubble the executor's transfers and dispatch; "peak mb"
+is the largest peak of stashed activations in micro-batches' worth (target: 1F1B <= p,
+GPipe = m). A reference copy timed before each run (bench.steadiness) shows how much the
+machine's own speed drifted meanwhile.
 Writes pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0).
 
 Timings need one core per rank: with more ranks than idle cores the busy times stretch

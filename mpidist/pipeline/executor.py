@@ -1,16 +1,17 @@
 """The executor: runs one rank's program of a pipeline schedule for one training step.
 
 Transfers are nonblocking: a RECV action posts an Irecv into a pooled buffer (one compute
-action ahead, as the schedule places it) and the compute that needs it waits; a SEND
-action posts an Isend that completes in the background (a helper thread keeps MPI
-progressing while the rank computes, or "background" would mean "at the next MPI call").
-A SEND that directly follows its compute in the program is posted from within that
-compute as soon as the output exists, before the stash bookkeeping: between two large
-computes Python runs from cold caches, and every microsecond there keeps the receiver
-waiting. Shapes and dtypes of the activations cross each stage boundary once (a small pickled message before the first
+action ahead, as the schedule places it) and the compute that needs it waits; a SEND action
+posts an Isend that completes in the background (where the transport needs the sender's
+progress, a helper thread keeps MPI progressing while the rank computes, or "background"
+would mean "at the next MPI call": single_copy). A SEND that
+directly follows its compute in the program is posted from within that compute as soon as
+the output exists, before the stash bookkeeping: between two large computes Python runs
+from cold caches, and every microsecond there keeps the receiver waiting. Shapes and dtypes
+of the activations cross each stage boundary once (a small pickled message before the first
 activation; gradients have the shape of the activation they belong to), so every later
-transfer lands in a reused buffer of the right size. They are exchanged again only when
-the micro-batch shape changes.
+transfer lands in a reused buffer of the right size. They are exchanged again only when the
+micro-batch shape changes.
 
 Activations of the micro-batches in flight are stashed per (micro-batch, stage): the layer
 caches the forward left, or, with `recompute=True`, only the stage's input, from which the
