@@ -16,7 +16,8 @@ times the model's shortlist on the call's own data before it runs:
                 (costmodel.round_order), each after a barrier, in place on a fresh copy
                 of the call's input (core.trial_runner), which is left as it was
     agreement   one MPI_Allreduce(MAX) of every candidate's median time: every rank keeps
-                the same algorithm, the lowest; a one-entry shortlist needs no trial
+                the same algorithm, the lowest; a one-entry shortlist needs no trial, and
+                where some rank has no memory for the copy, all keep the model's choice
 
 Later calls of the class look the pick up. Size classes are quarter octaves of the bytes
 reduced. The trial runs inside the first call, which every rank makes at the same point,
@@ -111,8 +112,13 @@ class Tuner:
             return found
         per_round = sum(max(t, 0.0) for t, _, a in predicted if a in shortlist)
         rounds = max(1, min(ROUNDS, int(TRIAL_SECONDS / per_round) if per_round > 0 else ROUNDS))
+        try:
+            trial = make_trial()            # a scratch copy of the message
+        except MemoryError:
+            trial = None
+        if not self.comm.comm.allreduce(trial is not None, op=MPI.LAND):
+            return found                    # no room on some rank: the model's choice
         times = np.empty((rounds, len(shortlist)))
-        trial = make_trial()
         for r in range(1 + rounds):
             for j in costmodel.round_order(len(shortlist), r, key):
                 seconds = trial(shortlist[j])

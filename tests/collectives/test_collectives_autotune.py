@@ -163,3 +163,20 @@ def test_ranks_follow_the_first_ranks_autotune_setting(comm, monkeypatch):
     allreduce(x, comm=comm)
     assert np.all(x == comm.size) and autotune.tuner(comm).enabled
     assert sum(runs.values()) == 1 + (1 + autotune.ROUNDS) * 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_memory_for_the_trial_on_one_rank_keeps_the_models_choice(comm, monkeypatch):
+    """The last rank cannot allocate the trial's copy: every rank skips the trial (none is
+    left waiting in it) and runs the model's choice."""
+    from mpidist.collectives import core
+    if comm.rank == comm.size - 1:
+        def no_room(*args):
+            raise MemoryError("no room for the trial's copy")
+        monkeypatch.setattr(core, "trial_runner", no_room)
+    costmodel.install(comm, _model(comm.size, {"tree": 10e-6, "ring": 13e-6}))
+    runs = _counting(monkeypatch)
+    x = np.ones(1024, np.float32)
+    allreduce(x, comm=comm)
+    assert np.all(x == comm.size) and runs == {"tree": 1}
+    assert autotune.tuner(comm).trials[autotune.size_class(4096)]["rounds"] == 0
