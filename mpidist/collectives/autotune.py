@@ -14,7 +14,8 @@ times the model's shortlist on the call's own data before it runs:
                 rounds (fewer for large messages: about TRIAL_SECONDS in all by the
                 model's predictions), each round every candidate once in a shuffled order
                 (costmodel.round_order), each after a barrier, in place on a fresh copy
-                of the call's input (core.trial_runner), which is left as it was
+                of the call's input (core.trial_runner), which is left as it was; past
+                TRIAL_BYTES on a copy of its first TRIAL_BYTES, which bounds the memory
     agreement   one MPI_Allreduce(MAX) of every candidate's median time: every rank keeps
                 the same algorithm, the lowest; a one-entry shortlist needs no trial, and
                 where some rank has no memory for the copy, all keep the model's choice
@@ -46,12 +47,13 @@ from mpi4py import MPI
 from mpidist.collectives import costmodel
 
 __all__ = ["Tuner", "tuner", "last", "reset", "enabled", "size_class", "MARGIN", "SHORTLIST",
-           "ROUNDS", "TRIAL_SECONDS"]
+           "ROUNDS", "TRIAL_SECONDS", "TRIAL_BYTES"]
 
 MARGIN = 3.0          # shortlist: predicted within this factor of the model's best
 SHORTLIST = 5         # at most this many candidates
 ROUNDS = 5            # timed rounds at most (after one warm-up round)
 TRIAL_SECONDS = 0.5   # fewer rounds where the model predicts more time than this
+TRIAL_BYTES = 256 << 20   # larger messages are tried on their first this many bytes
 
 
 def enabled() -> bool:

@@ -30,10 +30,12 @@ def choose(comm, nbytes: int, x=None, op=None) -> str:
 
 
 def _trial(comm, nbytes: int, x, op):
+    """auto's trial function on x (or on ones of nbytes), cut to autotune.TRIAL_BYTES."""
     from mpidist.collectives.core import trial_runner
     from mpidist.collectives.ops import get_op
     if x is None:
-        x = np.ones(max(1, nbytes // 4), np.float32)
+        x = np.ones(max(1, min(nbytes, autotune.TRIAL_BYTES) // 4), np.float32)
+    x = x[:max(1, autotune.TRIAL_BYTES // max(4, x.itemsize))]
     return trial_runner(comm, x, get_op("sum" if op is None else op))
 
 

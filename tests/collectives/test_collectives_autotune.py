@@ -180,3 +180,21 @@ def test_no_memory_for_the_trial_on_one_rank_keeps_the_models_choice(comm, monke
     allreduce(x, comm=comm)
     assert np.all(x == comm.size) and runs == {"tree": 1}
     assert autotune.tuner(comm).trials[autotune.size_class(4096)]["rounds"] == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_large_message_is_tried_on_its_first_trial_bytes(comm, monkeypatch):
+    from mpidist.collectives import core
+    sizes = []
+    runner = core.trial_runner
+
+    def recording(c, x, opx):
+        sizes.append(x.size)
+        return runner(c, x, opx)
+
+    monkeypatch.setattr(core, "trial_runner", recording)
+    monkeypatch.setattr(autotune, "TRIAL_BYTES", 4096)
+    costmodel.install(comm, _model(comm.size, {"tree": 10e-6, "ring": 13e-6}))
+    x = np.ones(100000, np.float32)
+    allreduce(x, comm=comm)
+    assert sizes == [1024] and np.all(x == comm.size)
