@@ -81,8 +81,9 @@ class Tuner:
         candidates = set(model.candidates())
         for key, pick in remembered.items():
             if pick in candidates:
-                self.trials[key] = {"pick": pick, "model_pick": None, "shortlist": [pick],
-                                    "median_s": {}, "rounds": 0, "remembered": True}
+                self.trials[key] = {"nbytes": None, "shortlist": [pick], "pick": pick,
+                                    "model_pick": None, "median_s": {}, "rounds": 0,
+                                    "remembered": True}
 
     def choose(self, nbytes: int, make_trial) -> str:
         """The algorithm auto runs for nbytes; the same on every rank. On the first call of
