@@ -20,7 +20,8 @@ the header. The model is probed afresh at the start (--no-refit keeps the cached
 --calibrate probes at exactly this sweep's sizes and repetitions, a first independent
 sweep); "model us" is its prediction for each algorithm, "error" its distance to this
 sweep's median. auto is timed once its on-line trials (collectives.autotune) have settled
-on a pick; the summary says where they overrode the model's own choice. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
+on a pick; the summary says where they overrode the model's own choice, and what that
+choice, timed in the same sweep as one of the algorithms, would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
 the issue. Every call goes through the public allreduce() and its result is checked.
 A reference copy timed before the sweep and after each size (bench.steadiness) shows how
 much the machine's own speed drifted during the run.
@@ -348,6 +349,14 @@ def _summary(rows, p: int) -> None:
         print(f"  auto vs best (target <= 1.10x): worst {worst[0]:.2f}x at {worst[1]} B "
               f"(ratio of medians); worst {paired[0]:.2f}x at {paired[1]} B (median of "
               f"per-round ratios)")
+        # what the model's own choice, timed in the same sweep, would have cost
+        alone = [(by[s, pick]["time_us"] / min(by[s, a]["time_us"] for a in own + ["native"]
+                                                if (s, a) in by), s, pick)
+                 for _, s in autos for pick in [by[s, "auto"]["model_pick"]] if (s, pick) in by]
+        if alone:
+            w = max(alone)
+            print(f"  the model's choice alone, without the trials: worst {w[0]:.2f}x at "
+                  f"{w[1]} B ({w[2]})")
     errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in rows
             if r["bytes"] >= (64 << 10) and r["model_error"] is not None
             and r["algorithm"] in own + ["native"]]

@@ -96,6 +96,7 @@ def test_bench_and_explain_cli(tmp_path):
                    "--seconds", "0.05", "--out", str(out)], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "busbw GB/s" in res.stdout and "auto [" in res.stdout and "summary:" in res.stdout
+    assert "the model's choice alone, without the trials: worst" in res.stdout
     data = json.loads((out / "allreduce.json").read_text())
     assert len(data["rows"]) == 8 and all(r["ok"] for r in data["rows"])
     steady = data["steadiness"]                 # before the sweep and after each size
