@@ -6,7 +6,8 @@
 
 Model and data as in issue 6: an MLP 1024-2048-2048-10 (6.3M parameters), synthetic inputs,
 256 samples per rank, momentum SGD, one BLAS thread per rank. At each world size it times:
-    compute   forward + backward + optimizer step, no communication
+    compute   the DistributedOptimizer step below with its bucket allreduces left out:
+              forward, backward, finiteness agreement, update, zeroing
     comm      allreduce of the whole gradient buffer in the same buckets, no compute
     step      a DistributedOptimizer step with buckets overlapping backward (--bucket-mb)
     step_noov the same with one bucket sent after backward (no overlap)
@@ -75,7 +76,7 @@ def _interleaved(comm, fns: dict, steps: int, warmup: int) -> tuple[dict, dict]:
 
 
 def _worker(args) -> dict:
-    from mpidist.collectives import allreduce_async
+    from mpidist.collectives import Handle, allreduce_async
     from mpidist.comm import Communicator
     from mpidist.engine.distributed import DistributedOptimizer, make_buckets
     from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
@@ -94,14 +95,17 @@ def _worker(args) -> dict:
         ce.forward(model.forward(x), y)
         model.backward(ce.backward(scale))
 
-    # compute only: forward, backward, optimizer step (no hooks, no communication)
-    opt = build_optimizer("sgd", layout, lr=0.01, momentum=0.9)
+    # compute only: the same DistributedOptimizer step with its bucket allreduces left out
+    # (forward, backward, the finiteness agreement, the update and the zeroing), so that
+    # step - compute is what communication adds and nothing else
+    local = DistributedOptimizer(build_optimizer("sgd", layout, lr=0.01, momentum=0.9), params,
+                                 grads, comm=comm, algorithm=args.algorithm, op="sum")
+    local.allreduce_async = lambda buf: Handle([], None)
 
     def compute():
-        model.set_grad_hook(None)
+        local.attach(model)
         fwd_bwd()
-        opt.step(params.data, grads.data)
-        grads.data[...] = 0
+        local.step()
 
     # communication only: the same buckets, launched back to back
     buckets = [grads.data[lo:hi] for lo, hi in make_buckets(layout, 4, args.bucket_mb)]
