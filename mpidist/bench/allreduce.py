@@ -8,20 +8,21 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
     python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
 
 For each size (bytes of --dtype, float32 by default; half precision is reduced in float32,
-so its model column and auto's choice are for the widened bytes) and algorithm: time of
-one allreduce, the median over interleaved rounds of the slowest rank's time after a warm-up (each round runs every
-algorithm once, auto included, in an order shuffled per round with a seed every rank
-shares: costmodel.time_rounds, as the cost model's probe measures), its spread (the
-interquartile range over the median), algbw = size / time and busbw = algbw * 2 (p-1) / p,
-the bandwidth each link actually carries, comparable across rank counts. "auto" is the cost
-model's choice (shown in brackets); its dispatch cost (the decision lookup alone, and the
-whole argument check against an explicit algorithm's) is timed separately and printed in
-the header. The model is probed afresh at the start (--no-refit keeps the cached one;
---calibrate probes at exactly this sweep's sizes and repetitions, a first independent
-sweep); "model us" is its prediction for each algorithm, "error" its distance to this
-sweep's median. auto is timed once its on-line trials (collectives.autotune) have settled
-on a pick; the summary says where they overrode the model's own choice, and what that
-choice, timed in the same sweep as one of the algorithms, would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
+so its model column and auto's choice are for the widened bytes) and algorithm: time of one
+allreduce, the median over interleaved rounds of the slowest rank's time after a warm-up
+(each round runs every algorithm once, auto included, in an order shuffled per round with a
+seed every rank shares: costmodel.time_rounds, as the cost model's probe measures), its
+spread (the interquartile range over the median), algbw = size / time and busbw = algbw * 2
+(p-1) / p, the bandwidth each link actually carries, comparable across rank counts. "auto"
+is the public allreduce's default, with the algorithm it ran in brackets; its dispatch cost
+(the decision lookup alone, and the whole argument check against an explicit algorithm's)
+is timed separately and printed in the header. The model is probed afresh at the start
+(--no-refit keeps the cached one; --calibrate probes at exactly this sweep's sizes and
+repetitions, a first independent sweep); "model us" is its prediction for each algorithm,
+"error" its distance to this sweep's median. auto is timed once its on-line trials
+(collectives.autotune) have settled on a pick; the summary says where they overrode the
+model's own choice, and what that choice, timed in the same sweep as one of the algorithms,
+would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
 the issue. Every call goes through the public allreduce() and its result is checked.
 A reference copy timed before the sweep and after each size (bench.steadiness) shows how
 much the machine's own speed drifted during the run.
@@ -325,7 +326,8 @@ def _summary(rows, p: int) -> None:
             trials = "" if auto["label"] == f"auto [{auto['model_pick']}]" else \
                 f", trials overrode the model's {auto['model_pick']}"
             if auto["label"] == f"auto [{best['algorithm']}]":
-                trials += "; auto ran the best itself: the gap is its dispatch and the sweep's noise"
+                trials += "; auto ran the best itself: the gap is its dispatch and the " \
+                    "sweep's noise"
             line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
                      f"({auto['vs_best_paired']:.2f}x paired{trials})")
         errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]
