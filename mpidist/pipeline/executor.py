@@ -164,13 +164,13 @@ class PipelineExecutor:
         self.progress_thread = (multiple and not single_copy(comm)) if progress_thread is None \
             else bool(progress_thread)
         self.program = [a for a in schedule.programs[comm.rank] if a is not None]
-        # computes whose SEND comes right after them: posted from within the compute, as
-        # soon as its output exists (before the stash bookkeeping), and skipped when met
+        # compute -> its SEND where that comes right after it: posted from within the
+        # compute, as soon as the output exists (before the stash bookkeeping), and skipped
+        # when the program reaches it
         follows = {FORWARD: SEND_F, BACKWARD: SEND_B}
-        self._send_now = {Action(follows[a.kind], a.microbatch, a.stage)
-                          for a, b in zip(self.program, self.program[1:])
-                          if a.kind in follows and b == Action(follows[a.kind], a.microbatch,
-                                                               a.stage)}
+        self._send_after = {a: b for a, b in zip(self.program, self.program[1:])
+                            if b == Action(follows.get(a.kind), a.microbatch, a.stage)}
+        self._sent_early = set(self._send_after.values())
         self._last = schedule.num_stages - 1
         self._meta_tag = 2 * schedule.num_stages
         self._probe_tag = 3 * schedule.num_stages       # no message ever carries it
@@ -264,7 +264,7 @@ class PipelineExecutor:
                 stats.busy += t1 - t0
                 stats.events.append((action.kind, action.microbatch, action.stage,
                                      t0 - t_start, t1 - t_start))
-            elif action not in self._send_now:
+            elif action not in self._sent_early:
                 handlers[action.kind](action)
         MPI.Request.Waitall([r for r, _ in self._sends])
         stats.wall = MPI.Wtime() - t_start
@@ -390,8 +390,8 @@ class PipelineExecutor:
             self._local[Action(FORWARD, i, s + 1)] = out
         else:
             self._out[(FORWARD, i, s)] = out
-            if Action(SEND_F, i, s) in self._send_now:
-                self._send(Action(SEND_F, i, s))
+            if a in self._send_after:
+                self._send(self._send_after[a])
         caches = None if self.recompute else stage.stash()
         nbytes = stash_nbytes(h, caches, dout)
         self._stash[(i, s)] = (h, caches, rng, dout, nbytes)
@@ -423,7 +423,7 @@ class PipelineExecutor:
                 self._local[Action(BACKWARD, i, s - 1)] = dx
             else:
                 self._out[(BACKWARD, i, s)] = dx
-                if Action(SEND_B, i, s) in self._send_now:
-                    self._send(Action(SEND_B, i, s))
+                if a in self._send_after:
+                    self._send(self._send_after[a])
         self._release(h)
         self._release(dout)

@@ -27,6 +27,15 @@ from mpidist.pipeline.executor import StepStats
 __all__ = ["summarize", "gather_events", "replay", "plot_timeline"]
 
 
+def _bubbles(makespan: float, busy: list[float]) -> dict:
+    """The mean over ranks of idle / makespan, and the busiest rank's own."""
+    if makespan <= 0:
+        return {"bubble": 0.0, "bubble_busiest": 0.0}
+    idle = [makespan - b for b in busy]
+    return {"bubble": float(np.mean(idle) / makespan),
+            "bubble_busiest": float(min(idle) / makespan)}
+
+
 def summarize(stats: StepStats, comm) -> dict:
     """Collective over the pipeline communicator: the step's timing and memory, same on
     every rank. Lists are per pipeline rank."""
@@ -39,8 +48,7 @@ def summarize(stats: StepStats, comm) -> dict:
         "makespan": makespan,
         "busy": busy,
         "idle": idle,
-        "bubble": float(np.mean(idle) / makespan) if makespan > 0 else 0.0,
-        "bubble_busiest": float(min(idle) / makespan) if makespan > 0 else 0.0,
+        **_bubbles(makespan, busy),
         "peak_in_flight": in_flight,
         "peak_stash_bytes": peak_bytes,
         "microbatch_stash_bytes": mb_bytes,
@@ -82,11 +90,7 @@ def replay(events_by_rank: list[list]) -> dict:
                              "never ran")
     makespan = max(clock)
     busy = [sum(e[3] for e in ev) for ev in durations]
-    idle = [makespan - b for b in busy]
-    if makespan <= 0:
-        return {"makespan": makespan, "bubble": 0.0, "bubble_busiest": 0.0}
-    return {"makespan": makespan, "bubble": float(np.mean(idle) / makespan),
-            "bubble_busiest": float(min(idle) / makespan)}
+    return {"makespan": makespan, **_bubbles(makespan, busy)}
 
 
 def plot_timeline(events_by_rank: list[list], path: str, title: str = "", virtual: int = 1,
