@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             q1, q3 = np.percentile(samples, [25, 75])
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
-            pick = (tuned.decisions.get(reduced) or model.choose(reduced)) \
-                if alg == "auto" else alg
+            model_pick = model.choose(reduced) if alg == "auto" else None
+            pick = tuned.decisions.get(reduced, model_pick) if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
             pred = model.predict(pick, reduced) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                    "model_us": pred * 1e6 if pred is not None else None,
                    "model_error": (pred - t) / t if pred is not None else None,
                    "vs_best_paired": paired if alg == "auto" else None,
-                   "model_pick": model.choose(reduced) if alg == "auto" else None}
+                   "pick": pick, "model_pick": model_pick}
             rows.append(row)
             if c.rank == 0:
                 vs = f"{row['vs_native']:.2f}x" if row["vs_native"] else "-"
@@ -323,9 +323,9 @@ def _summary(rows, p: int) -> None:
                          f"{by[s, 'native']['time_us'] / top['time_us']:.2f}x native busbw")
         if (s, "auto") in by:
             auto = by[s, "auto"]
-            trials = "" if auto["label"] == f"auto [{auto['model_pick']}]" else \
+            trials = "" if auto["pick"] == auto["model_pick"] else \
                 f", trials overrode the model's {auto['model_pick']}"
-            if auto["label"] == f"auto [{best['algorithm']}]":
+            if auto["pick"] == best["algorithm"]:
                 trials += "; auto ran the best itself: the gap is its dispatch and the " \
                     "sweep's noise"
             line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
@@ -352,9 +352,11 @@ def _summary(rows, p: int) -> None:
               f"(ratio of medians); worst {paired[0]:.2f}x at {paired[1]} B (median of "
               f"per-round ratios)")
         # what the model's own choice, timed in the same sweep, would have cost
-        alone = [(by[s, pick]["time_us"] / min(by[s, a]["time_us"] for a in own + ["native"]
-                                                if (s, a) in by), s, pick)
-                 for _, s in autos for pick in [by[s, "auto"]["model_pick"]] if (s, pick) in by]
+        alone = []
+        for ratio, s in autos:
+            pick, best_us = by[s, "auto"]["model_pick"], by[s, "auto"]["time_us"] / ratio
+            if (s, pick) in by:
+                alone.append((by[s, pick]["time_us"] / best_us, s, pick))
         if alone:
             w = max(alone)
             print(f"  the model's choice alone, without the trials: worst {w[0]:.2f}x at "
