@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives.ops import widen
+from mpidist.collectives.ops import accumulator_dtype, narrow, widen
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["ShardMap", "Pending", "reduce_scatter_start", "allgather_start"]
@@ -78,11 +78,6 @@ def _bytes(a):
     return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
 
 
-def _accumulator_dtype(dtype) -> np.dtype:
-    dtype = np.dtype(dtype)
-    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
-
-
 def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> Pending:
     """Start summing buf (the global range [lo, lo+len(buf)) on every rank) onto its owners.
 
@@ -111,21 +106,26 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> P
     def finish():
         comm.from_mpi(recv_mpi, recv)
         local = buf[start - lo:start - lo + mine]
-        acc, wide = None, None
+        wide_dtype = accumulator_dtype(buf.dtype)
+        half = wide_dtype != buf.dtype          # widened by the bit-level cast kernels
+        acc, wide = None, xp.empty(mine, wide_dtype) if half else None
         for r in range(comm.size):              # rank order: independent of arrival order
             piece = local if r == me else recv[slot[r]]
-            if piece.dtype == np.float16:       # NumPy's float16 cast is a scalar loop
-                wide = xp.empty(mine, np.float32) if wide is None else wide
+            if half:
                 widen(piece, wide)
                 piece = wide
             if acc is None:
-                acc = piece.astype(_accumulator_dtype(buf.dtype))
+                acc = piece.copy()
             else:
                 acc += piece
-        if out is None:
-            return acc.astype(buf.dtype, copy=False)
-        out[...] += acc
-        return out
+        if out is not None:
+            out[...] += acc
+            return out
+        if not half:
+            return acc
+        result = xp.empty(mine, buf.dtype)
+        narrow(acc, result)
+        return result
 
     return Pending(request, finish, (send_mpi, recv_mpi))
 
