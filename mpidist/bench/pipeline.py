@@ -4,6 +4,7 @@ schedules on uniform stages, against the ideal bubble (p - 1) / (m + p - 1).
     python -m mpidist.launcher -n 4 -- mpidist bench pipeline
     python -m mpidist.launcher -n 4 -- mpidist bench pipeline --stages 2,4 --microbatches 4,8,16
     python -m mpidist.launcher -n 2 -- mpidist bench pipeline --schedules gpipe,1f1b,interleaved
+    python -m mpidist.launcher -n 4 -- mpidist bench pipeline --compute timed
 
 Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls, no sleeps), so
 the stages are uniform (interleaved: `--virtual` chunks of layers / virtual blocks; the
@@ -18,18 +19,26 @@ without the other stages' wait for it (stages of the same work still differ by a
 two on a shared machine, and at m = 16 that alone moves the mean by more than the 15%
 allow); "replay" is the bubble the same step would have had with its measured compute times
 and instant transfers (timing.replay), so ideal -> replay is the compute's own unevenness
-(jitter, imbalance) and replay -> bubble the executor's transfers and dispatch; "peak mb"
-is the largest peak of stashed activations in micro-batches' worth (target: 1F1B <= p,
-GPipe = m). A reference copy timed before each run (bench.steadiness) shows how much the
+(jitter, imbalance) and replay -> bubble the executor's transfers and dispatch, which
+"us/act" puts per compute action (that idle time times the step, over the 2 m v computes
+of a rank: a fixed cost that a longer stage amortises); "peak mb" is the largest peak of
+stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m). A reference copy timed before each run (bench.steadiness) shows how much the
 machine's own speed drifted meanwhile.
 Writes pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0).
 
 Timings need one core per rank: with more ranks than idle cores the busy times stretch
-and the figures say more about the machine than about the schedule.
+and the figures say more about the machine than about the schedule. `--compute timed`
+replaces each block's matmuls by a wait of fixed length (`--forward-ms` per stage forward,
+twice that backward) around a copy of the activation: stages of exactly equal cost that
+need no core while they "compute", so the bubble of the schedule, the executor and the
+transfers can be measured with more stages than cores (p = 4 on a 2-core machine), and
+the compute's own unevenness (ideal -> replay) shrinks to the executor's bookkeeping
+around each compute.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import csv
 import json
 import os
@@ -37,6 +46,8 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+
+from mpidist.nn import Module
 
 __all__ = ["main"]
 
@@ -65,6 +76,11 @@ def _parse(argv):
     p.add_argument("--dim", type=int, default=1024, help="width of the Linear layers (default 1024)")
     p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (default 64)")
     p.add_argument("--layers", type=int, default=2, help="Linear+ReLU blocks per stage (default 2)")
+    p.add_argument("--compute", choices=("matmul", "timed"), default="matmul",
+                   help="stage work: real matmuls (default) or fixed-length waits")
+    p.add_argument("--forward-ms", type=float, default=4.0,
+                   help="with --compute timed: one stage's forward of a micro-batch, in ms "
+                        "(backward twice that; default 4)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per run (default 3)")
     p.add_argument("--recompute", action="store_true", help="recompute activations in backward")
     p.add_argument("--out", default=os.path.join("results", "bench", "pipeline"),
@@ -77,19 +93,69 @@ def _parse(argv):
     for what in ("virtual", "dim", "rows", "layers", "steps"):
         if getattr(args, what) < 1:
             p.error(f"--{what} must be >= 1")
+    if not args.forward_ms > 0:
+        p.error("--forward-ms must be > 0")
     if "interleaved" in args.schedules and args.layers % args.virtual:
         p.error(f"--layers {args.layers} must split into --virtual {args.virtual} chunks per rank")
     return args
 
 
-def _uniform_model(stages: int, layers: int, dim: int):
-    """stages x layers blocks of Linear(dim, dim) + ReLU: every stage the same work."""
+def _uniform_model(stages: int, layers: int, args):
+    """stages x layers blocks, every stage the same work: Linear(dim, dim) + ReLU, or
+    with --compute timed two waits that make up the stage's --forward-ms."""
     from mpidist.nn import Linear, ReLU, Sequential
     blocks, names = [], []
     for i in range(stages * layers):
-        blocks += [Linear(dim, dim), ReLU()]
+        if args.compute == "timed":
+            blocks += [_Timed(args.forward_ms / (2 * layers)) for _ in range(2)]
+        else:
+            blocks += [Linear(args.dim, args.dim), ReLU()]
         names += [f"fc{i}", f"relu{i}"]
     return Sequential(*blocks, names=names)
+
+
+class _Timed(Module):
+    """Takes exactly `ms` in forward and 2 * `ms` in backward, a copy of its input included:
+    a layer of known, repeatable cost that leaves the cores free while it waits."""
+
+    def __init__(self, ms: float):
+        super().__init__()
+        self.seconds = ms / 1e3
+
+    def forward(self, x, train=True):
+        end = time.perf_counter() + self.seconds
+        self._x = x
+        y = x.copy()
+        _wait_until(end)
+        return y
+
+    def backward(self, dy):
+        end = time.perf_counter() + 2 * self.seconds
+        dx = dy.copy()
+        _wait_until(end)
+        return dx
+
+
+SPIN_SECONDS = 2e-4
+
+
+def _wait_until(end: float) -> None:
+    """Sleep until SPIN_SECONDS before `end`, then spin: a sleep wakes late by the timer
+    slack plus the scheduler's latency, by a different amount each time."""
+    left = end - time.perf_counter()
+    if left > SPIN_SECONDS:
+        time.sleep(left - SPIN_SECONDS)
+    while time.perf_counter() < end:
+        pass
+
+
+def _fine_timer_slack() -> None:
+    """Ask Linux for 1 us of timer slack (prctl PR_SET_TIMERSLACK; default 50 us), so the
+    timed layers' sleeps end close to when they are asked to. Elsewhere: nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _HalfSquare:
@@ -113,7 +179,7 @@ def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
     from mpidist.pipeline.timing import gather_events, replay, summarize
 
     v = args.virtual if name == "interleaved" else 1
-    model = _uniform_model(p * v, args.layers // v, args.dim)    # same work per rank
+    model = _uniform_model(p * v, args.layers // v, args)    # same work per rank
     layers = pipeline_layers(model)
     per = 2 * (args.layers // v)
     bounds = list(range(0, len(layers) + 1, per))
@@ -147,6 +213,9 @@ def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
     events = gather_events(stats, comm)
     if events is not None:
         row["replay_bubble"] = replay(events)["bubble"]
+        # the executor's and transfers' idle time per compute action (2 m v per rank)
+        row["executor_us_per_action"] = (1e6 * (row["bubble"] - row["replay_bubble"])
+                                         * summary["makespan"] / (2 * m * v))
     return row, events
 
 
@@ -156,16 +225,20 @@ def main(argv: list[str] | None = None) -> int:
     from mpidist.pipeline.timing import plot_timeline
 
     args = _parse(argv)
+    if args.compute == "timed":
+        _fine_timer_slack()
     world = Communicator()
     root = world.rank == 0
     rows = []
     if root:
         os.makedirs(args.out, exist_ok=True)
-        print(f"# mpidist bench pipeline: {world.size} ranks, stages of {args.layers} x "
-              f"Linear({args.dim}, {args.dim}) + ReLU, {args.rows} rows per micro-batch, "
-              f"median of {args.steps} steps{', recompute' if args.recompute else ''}")
+        work = (f"{args.layers} x Linear({args.dim}, {args.dim}) + ReLU" if args.compute == "matmul"
+                else f"timed waits of {args.forward_ms:g} ms forward, {2 * args.forward_ms:g} ms backward")
+        print(f"# mpidist bench pipeline: {world.size} ranks, stages of {work}, {args.rows} rows "
+              f"per micro-batch, median of {args.steps} steps{', recompute' if args.recompute else ''}")
         print(f"{'schedule':<12}{'p':>3}{'m':>4}{'ideal':>8}{'replay':>8}{'bubble':>8}{'err':>9}  "
-              f"{'ok':<4}{'busiest':>8}{'err':>8}{'step ms':>9}{'peak mb':>9}{'peak MiB':>10}  "
+              f"{'ok':<4}{'busiest':>8}{'err':>8}{'step ms':>9}{'us/act':>8}{'peak mb':>9}"
+              f"{'peak MiB':>10}  "
               f"in flight per rank")
     for p in args.stages:
         if p > world.size:
@@ -217,6 +290,7 @@ def _print(row: dict) -> None:
     print(f"{row['schedule']:<12}{row['p']:>3}{row['m']:>4}{row['ideal_bubble']:>8.3f}"
           f"{row['replay_bubble']:>8.3f}{row['bubble']:>8.3f}{100 * row['rel_err']:>8.1f}%  {ok:<4}"
           f"{row['bubble_busiest']:>8.3f}{100 * row['rel_err_busiest']:>7.1f}%{row['step_ms']:>9.1f}"
+          f"{row['executor_us_per_action']:>8.0f}"
           f"{row['peak_microbatches']:>9.2f}{row['peak_activation_mib']:>10.2f}  {flights}",
           flush=True)
 
@@ -226,7 +300,7 @@ def _write(rows: list[dict], out: str) -> None:
         json.dump(rows, fh, indent=1)
     keys = ["schedule", "p", "m", "virtual", "recompute", "ideal_bubble", "replay_bubble",
             "bubble", "rel_err", "bubble_busiest", "rel_err_busiest",
-            "step_ms", "peak_microbatches", "peak_activation_mib"]
+            "step_ms", "executor_us_per_action", "peak_microbatches", "peak_activation_mib"]
     with open(os.path.join(out, "pipeline.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(keys + ["peak_in_flight"])
