@@ -24,8 +24,11 @@ repetitions, a first independent sweep); "model us" is its prediction for each a
 model's own choice, and what that choice, timed in the same sweep as one of the algorithms,
 would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
 the issue. Every call goes through the public allreduce() and its result is checked.
-A reference copy timed before the sweep and after each size (bench.steadiness) shows how
-much the machine's own speed drifted during the run.
+A reference copy and the machine state (costmodel.machine_state, a 256 KiB MPI_Allreduce),
+timed before the sweep and after each size (bench.steadiness), show how much the machine's
+own speed drifted during the run; the probe stores the state it saw with the model, and
+the summary gives the model's error also over the sizes where the state stayed within 25%
+of the probe's (beyond that the model describes another machine than the one timed).
 Writes allreduce.csv, allreduce.json and allreduce.png under --out (rank 0).
 """
 from __future__ import annotations
@@ -40,6 +43,8 @@ import time
 import ml_dtypes
 import numpy as np
 from mpi4py import MPI
+
+from mpidist.collectives.costmodel import STATE_BYTES, STATE_TOLERANCE
 
 __all__ = ["main", "textbook_ring"]
 
@@ -213,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         model = costmodel.get_model(c, refit=args.refit)
         how = "probed afresh" if args.refit else "cached"
     cond = model.levels["world"].get("conditions", {})
+    probe_state = float(np.median(cond["state_s"])) if "state_s" in cond else None
+    state = "" if probe_state is None else \
+        (f", {STATE_BYTES >> 10} KiB MPI_Allreduce {probe_state * 1e6:.0f} us"
+         f"{'' if cond.get('state_steady') else ', NOT steady during the probe'}")
     probed = (f"cost model {how} (load {cond['load_before']:.1f}, {cond['seconds']:.0f} s, "
-              f"sizes to {format_size(cond['sizes'][-1])})") if cond else f"cost model {how}"
+              f"sizes to {format_size(cond['sizes'][-1])}{state})") if cond \
+        else f"cost model {how}"
     dispatch = _dispatch_cost(c, 4096)
     library = "".join(ch for ch in mpi_library() if ch.isprintable())
     header = (f"mpidist bench allreduce: {library}; {c.describe()}; {args.dtype}; "
@@ -268,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
         del x
         steadiness.sample()
+        if probe_state is not None and steadiness.state_samples:
+            ratio = [t / probe_state for t in steadiness.state_samples[-2:]]
+            for row in rows[-len(args.algorithms):]:
+                row["state_vs_probe"] = ratio
     if c.rank == 0:
         _summary(rows, p)
         print(f"  {steadiness.line()}")
@@ -302,6 +316,23 @@ def _auto_vs_best_paired(timed: dict) -> float | None:
     return float(np.median(timed["auto"][0] / timed[best][0]))
 
 
+
+def _state_moved(row: dict) -> float | None:
+    """How far the machine state moved from the probe's around this row's size (the
+    sample further from 1x, as a ratio), or None while both stayed within STATE_TOLERANCE."""
+    ratios = row.get("state_vs_probe")
+    if not ratios:
+        return None
+    far = max(ratios, key=lambda r: max(r, 1 / r))
+    return far if max(far, 1 / far) > STATE_TOLERANCE else None
+
+
+def _model_rows(rows: list[dict], own: list[str]) -> list[dict]:
+    """The rows the model-error target covers: >= 64 KiB, predicted, not auto."""
+    return [r for r in rows if r["bytes"] >= (64 << 10) and r["model_error"] is not None
+            and r["algorithm"] in own + ["native"]]
+
+
 def _summary(rows, p: int) -> None:
     """The issue's targets, read off this run."""
     by = {(r["bytes"], r["algorithm"]): r for r in rows}
@@ -334,6 +365,9 @@ def _summary(rows, p: int) -> None:
                 if (s, a) in by and by[s, a]["model_error"] is not None]
         if errs and s >= (64 << 10):
             line += f"; model error max {max(errs):.0%}"
+            moved = _state_moved(cands[0])
+            if moved:
+                line += f" (machine state {moved:.2f}x the probe's)"
         if (s, "textbook") in by and own:
             top = min((by[s, a] for a in own if (s, a) in by), key=lambda r: r["time_us"])
             line += f"; vs textbook {by[s, 'textbook']['time_us'] / top['time_us']:.2f}x"
@@ -361,10 +395,18 @@ def _summary(rows, p: int) -> None:
             w = max(alone)
             print(f"  the model's choice alone, without the trials: worst {w[0]:.2f}x at "
                   f"{w[1]} B ({w[2]})")
-    errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in rows
-            if r["bytes"] >= (64 << 10) and r["model_error"] is not None
-            and r["algorithm"] in own + ["native"]]
+    errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in _model_rows(rows, own)]
     if errs:
         worst = max(errs)
-        print(f"  model error at >= 64 KiB (target <= 25%): worst {worst[0]:.0%} "
-              f"({worst[1]} at {worst[2]} B), median {np.median([e[0] for e in errs]):.0%}")
+        line = (f"  model error at >= 64 KiB (target <= 25%): worst {worst[0]:.0%} "
+                f"({worst[1]} at {worst[2]} B), median {np.median([e[0] for e in errs]):.0%}")
+        if all("state_vs_probe" in r for r in rows):
+            kept = [e for e, r in zip(errs, _model_rows(rows, own)) if not _state_moved(r)]
+            n_all = len({e[2] for e in errs})
+            n_kept = len({e[2] for e in kept})
+            line += (f"; at the {n_kept} of {n_all} sizes where the machine state (a "
+                     f"{STATE_BYTES >> 10} KiB MPI_Allreduce before and after the size) "
+                     f"stayed within {STATE_TOLERANCE - 1:.0%} of the probe's: ")
+            line += (f"worst {max(kept)[0]:.0%} ({max(kept)[1]} at {max(kept)[2]} B)" if kept
+                     else "none")
+        print(line)

@@ -22,8 +22,9 @@ and instant transfers (timing.replay), so ideal -> replay is the compute's own u
 (jitter, imbalance) and replay -> bubble the executor's transfers and dispatch, which
 "us/act" puts per compute action (that idle time times the step, over the 2 m v computes
 of a rank: a fixed cost that a longer stage amortises); "peak mb" is the largest peak of
-stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m). A reference copy timed before each run (bench.steadiness) shows how much the
-machine's own speed drifted meanwhile.
+stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m). A reference
+copy timed before each run (bench.steadiness) shows how much the machine's own speed
+drifted meanwhile.
 Writes pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0).
 
 Timings need one core per rank: with more ranks than idle cores the busy times stretch
@@ -232,10 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if root:
         os.makedirs(args.out, exist_ok=True)
-        work = (f"{args.layers} x Linear({args.dim}, {args.dim}) + ReLU" if args.compute == "matmul"
-                else f"timed waits of {args.forward_ms:g} ms forward, {2 * args.forward_ms:g} ms backward")
+        work = f"{args.layers} x Linear({args.dim}, {args.dim}) + ReLU"
+        if args.compute == "timed":
+            work = (f"timed waits of {args.forward_ms:g} ms forward, "
+                    f"{2 * args.forward_ms:g} ms backward")
         print(f"# mpidist bench pipeline: {world.size} ranks, stages of {work}, {args.rows} rows "
-              f"per micro-batch, median of {args.steps} steps{', recompute' if args.recompute else ''}")
+              f"per micro-batch, median of {args.steps} steps"
+              f"{', recompute' if args.recompute else ''}")
         print(f"{'schedule':<12}{'p':>3}{'m':>4}{'ideal':>8}{'replay':>8}{'bubble':>8}{'err':>9}  "
               f"{'ok':<4}{'busiest':>8}{'err':>8}{'step ms':>9}{'us/act':>8}{'peak mb':>9}"
               f"{'peak MiB':>10}  "

@@ -140,6 +140,22 @@ def test_probe_agrees_on_every_rank(comm):
         cond = m.levels["world"]["conditions"]
         assert cond["sizes"] == [1 << 10, 16 << 10] and cond["seconds"] >= 0
         assert {"load_before", "load_after", "when"} <= set(cond)
+        assert len(cond["state_s"]) == 3 and min(cond["state_s"]) > 0     # before, after each
+        assert isinstance(cond["state_steady"], bool)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_probe_repeats_a_level_that_saw_the_machine_state_move(comm, monkeypatch):
+    """A probe whose machine_state samples moved by more than STATE_TOLERANCE mixes two
+    machines: the level is probed again, and the steadier attempt is kept."""
+    states = iter([1e-4, 3e-4, 3e-4,            # first attempt: the state tripled
+                   2e-4, 2.1e-4, 2e-4])         # second: steady
+    calls = []
+    monkeypatch.setattr(costmodel, "machine_state", lambda c: calls.append(1) or next(states))
+    m = costmodel.probe(comm, sizes=(1 << 10, 4 << 10), reps=1)
+    cond = m.levels["world"]["conditions"]
+    assert len(calls) == 6 and cond["state_s"] == [2e-4, 2.1e-4, 2e-4]
+    assert cond["state_steady"] is True
 
 
 @pytest.fixture
