@@ -11,7 +11,9 @@ import functools
 import os
 import subprocess
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from mpi4py import MPI
 
@@ -71,6 +73,10 @@ class Communicator:
       smaller); default: env MPIDIST_RANKS_PER_NODE, else the real shared-memory split.
     Construction is collective over `comm`.
     """
+
+    # algorithm="auto"'s decisions on this communicator, bytes reduced -> algorithm: the
+    # tuner (collectives.autotune) puts its own dict here, read on every auto call
+    auto_picks: Mapping[int, str] = MappingProxyType({})
 
     def __init__(self, comm: MPI.Comm | None = None, *, ranks_per_node: int | None = None,
                  _node: int | None = None, _dup: bool = True):

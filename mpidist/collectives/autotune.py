@@ -46,7 +46,7 @@ from mpi4py import MPI
 
 from mpidist.collectives import costmodel
 
-__all__ = ["Tuner", "tuner", "last", "reset", "enabled", "size_class", "MARGIN", "SHORTLIST",
+__all__ = ["Tuner", "tuner", "reset", "enabled", "size_class", "MARGIN", "SHORTLIST",
            "ROUNDS", "TRIAL_SECONDS", "TRIAL_BYTES"]
 
 MARGIN = 3.0          # shortlist: predicted within this factor of the model's best
@@ -73,6 +73,7 @@ class Tuner:
         rank has them (a setting that differed between ranks would hang the trials)."""
         self.comm = comm
         self.decisions: dict[int, str] = {}        # nbytes -> pick: the fast path
+        comm.auto_picks = self.decisions           # read by every auto call
         self.trials: dict[int, dict] = {}          # size class -> what its trial found
         model = costmodel.get_model(comm)
         on = enabled()
@@ -136,29 +137,19 @@ class Tuner:
 
 _tuners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-_last: tuple = (None, None)
 
 
 def tuner(comm) -> Tuner:
     """comm's tuner (made on first use; the model behind it is collective on first use)."""
-    global _last
     with _lock:
         t = _tuners.get(comm)
         if t is None:
             t = _tuners[comm] = Tuner(comm)
-        _last = (comm, t)
     return t
-
-
-def last() -> tuple:
-    """(communicator, tuner) of the last tuner() call: the fast path of "auto"."""
-    return _last
 
 
 def reset(comm) -> None:
     """Forget comm's trials and picks (after a new model is installed); on every rank."""
-    global _last
     with _lock:
         _tuners.pop(comm, None)
-        if _last[0] is comm:
-            _last = (None, None)
+        vars(comm).pop("auto_picks", None)      # back to the empty class default

@@ -107,10 +107,11 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     guard.check(c, signature, error)
     if algorithm != "auto":
         return c, x, y, opx, algorithm
-    if not x.size:
-        return c, x, y, opx, "native"
     # the bytes reduced: half precision is widened to float32 (the only 2-byte dtypes)
-    return c, x, y, opx, select.choose(c, x.nbytes if x.itemsize > 2 else 2 * x.nbytes, x, opx)
+    nbytes = x.nbytes if x.itemsize > 2 else 2 * x.nbytes
+    if not nbytes:
+        return c, x, y, opx, "native"
+    return c, x, y, opx, c.auto_picks.get(nbytes) or select.choose(c, nbytes, x, opx)
 
 
 def trial_runner(c, x, opx):

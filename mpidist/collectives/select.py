@@ -21,12 +21,9 @@ def choose(comm, nbytes: int, x=None, op=None) -> str:
     """The algorithm "auto" runs for nbytes on comm; the same on every rank. Collective the
     first time a communicator asks (the model is loaded or probed) and at the first size
     of each class (the trials time the model's shortlist on x, or on ones of nbytes, with
-    op: autotune); then a lookup in the tuner's decisions, a fraction of a microsecond."""
-    last_comm, tuner = autotune.last()
-    if last_comm is not comm:
-        tuner = autotune.tuner(comm)
-    return tuner.decisions.get(nbytes) or \
-        tuner.choose(nbytes, lambda: _trial(comm, nbytes, x, op))
+    op: autotune); then a lookup in comm.auto_picks, a fraction of a microsecond."""
+    return comm.auto_picks.get(nbytes) or \
+        autotune.tuner(comm).choose(nbytes, lambda: _trial(comm, nbytes, x, op))
 
 
 def _trial(comm, nbytes: int, x, op):

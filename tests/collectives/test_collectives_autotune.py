@@ -57,6 +57,23 @@ def test_the_first_call_tries_the_shortlist_and_every_rank_keeps_one_pick(comm, 
     results = [allreduce(x.copy(), comm=comm) for _ in range(3)]
     assert runs[pick] == (1 + rounds) * (trials > 0) + 4
     assert all(np.array_equal(r, out) for r in results)
+    assert comm.auto_picks is tuner.decisions and comm.auto_picks[4 * n] == pick
+
+
+def test_reset_forgets_the_picks_of_one_communicator_only(comm):
+    other = Communicator(comm.comm)
+    try:
+        for c in (comm, other):
+            allreduce(np.ones(10, np.float32), comm=c)
+        assert comm.auto_picks.get(40) and other.auto_picks.get(40)
+        autotune.reset(comm)
+        assert comm.auto_picks == {} and other.auto_picks.get(40)
+        assert Communicator.auto_picks == {}                  # the shared default stays empty
+        x = np.ones(10, np.float32)
+        allreduce(x, comm=comm)                               # a new tuner decides again
+        assert comm.auto_picks.get(40) and np.all(x == comm.size)
+    finally:
+        other.free()
 
 
 @pytest.mark.mpi(min_size=2)
