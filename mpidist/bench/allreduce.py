@@ -278,10 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
         del x
         steadiness.sample()
-        if probe_state is not None and steadiness.state_samples:
-            ratio = [t / probe_state for t in steadiness.state_samples[-2:]]
-            for row in rows[-len(args.algorithms):]:
-                row["state_vs_probe"] = ratio
+        around = steadiness.state_samples[-2:]          # before and after this size
+        for row in rows[-len(args.algorithms):]:
+            if around:
+                row["state_around_s"] = around
+            if around and probe_state is not None:
+                row["state_vs_probe"] = [t / probe_state for t in around]
     if c.rank == 0:
         _summary(rows, p)
         print(f"  {steadiness.line()}")
@@ -327,6 +329,12 @@ def _state_moved(row: dict) -> float | None:
     return far if max(far, 1 / far) > STATE_TOLERANCE else None
 
 
+def _state_held(row: dict) -> bool:
+    """Whether the machine state stayed within STATE_TOLERANCE across this row's size."""
+    before, after = row.get("state_around_s") or (1.0, 1.0)
+    return max(before, after) <= STATE_TOLERANCE * min(before, after)
+
+
 def _model_rows(rows: list[dict], own: list[str]) -> list[dict]:
     """The rows the model-error target covers: >= 64 KiB, predicted, not auto."""
     return [r for r in rows if r["bytes"] >= (64 << 10) and r["model_error"] is not None
@@ -359,6 +367,9 @@ def _summary(rows, p: int) -> None:
             if auto["pick"] == best["algorithm"]:
                 trials += "; auto ran the best itself: the gap is its dispatch and the " \
                     "sweep's noise"
+            if not _state_held(auto):
+                before, after = auto["state_around_s"]
+                trials += f"; the machine state moved {after / before:.2f}x during this size"
             line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
                      f"({auto['vs_best_paired']:.2f}x paired{trials})")
         errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]
@@ -382,9 +393,18 @@ def _summary(rows, p: int) -> None:
     if autos:
         worst = max(autos)
         paired = max((by[s, "auto"]["vs_best_paired"], s) for _, s in autos)
-        print(f"  auto vs best (target <= 1.10x): worst {worst[0]:.2f}x at {worst[1]} B "
-              f"(ratio of medians); worst {paired[0]:.2f}x at {paired[1]} B (median of "
-              f"per-round ratios)")
+        line = (f"  auto vs best (target <= 1.10x): worst {worst[0]:.2f}x at {worst[1]} B "
+                f"(ratio of medians); worst {paired[0]:.2f}x at {paired[1]} B (median of "
+                f"per-round ratios)")
+        # auto's pick is tried at the start of a size: a state that moved during the size
+        # may have changed which algorithm is best
+        held = [(ratio, s) for ratio, s in autos if _state_held(by[s, "auto"])]
+        if held and len(held) < len(autos):
+            w = max(held)
+            line += (f"; at the {len(held)} of {len(autos)} sizes where the machine state held "
+                     f"(within {STATE_TOLERANCE - 1:.0%}, before and after): worst {w[0]:.2f}x "
+                     f"at {w[1]} B")
+        print(line)
         # what the model's own choice, timed in the same sweep, would have cost
         alone = []
         for ratio, s in autos:
