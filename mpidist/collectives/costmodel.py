@@ -142,11 +142,12 @@ def machine_state(comm: MPI.Comm, reps: int = 15) -> float:
     """Collective: seconds of one MPI_Allreduce of STATE_BYTES (median of reps, each after a
     barrier, slowest rank), the same on every rank.
 
-    How fast data moves between the ranks' caches right now. On a VM this can change by 2x
-    from one minute to the next while memory bandwidth does not (here 256 KiB took 46 or
-    103 us, 1 MiB 113 or 376 us, with a 32 MiB copy unchanged): every time the model holds
-    for sizes that live in the caches moves with it. The probe stores it with the model,
-    so a later run can tell whether it measures the machine the model was fitted on."""
+    How fast data moves between the ranks' caches right now. On a VM this can change by
+    2-3x within seconds while memory bandwidth does not (here this reference took 55 or
+    155 us, and MPI_Allreduce of 1 MiB 113 or 376 us, with a 32 MiB copy unchanged): every
+    time the model holds for sizes that live in the caches moves with it. The probe
+    stores it with the model, so a later run can tell whether it measures the machine
+    the model was fitted on."""
     x = np.ones(STATE_BYTES // 4, np.float32)
     times = np.empty(reps)
     for i in range(reps):
