@@ -161,7 +161,7 @@ def machine_state(comm: MPI.Comm, reps: int = 15) -> float:
 
 def _reps(nbytes: int) -> int:
     """Probe repetitions: more where a run is cheap and noisy."""
-    return 31 if nbytes <= (256 << 10) else 15 if nbytes <= (4 << 20) else 5
+    return 31 if nbytes <= (256 << 10) else 15 if nbytes <= (16 << 20) else 5
 
 
 def _time_gamma(comm) -> float:
