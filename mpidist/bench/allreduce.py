@@ -44,7 +44,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives.costmodel import STATE_BYTES, STATE_TOLERANCE
+from mpidist.collectives.costmodel import STATE_BYTES, STATE_TOLERANCE, state_held
 
 __all__ = ["main", "textbook_ring"]
 
@@ -279,10 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         del x
         steadiness.sample()
         around = steadiness.state_samples[-2:]          # before and after this size
-        for row in rows[-len(args.algorithms):]:
-            if around:
-                row["state_around_s"] = around
-            if around and probe_state is not None:
+        for row in rows[-len(args.algorithms):] if around else []:
+            row["state_around_s"] = around
+            if probe_state is not None:
                 row["state_vs_probe"] = [t / probe_state for t in around]
     if c.rank == 0:
         _summary(rows, p)
@@ -318,7 +317,6 @@ def _auto_vs_best_paired(timed: dict) -> float | None:
     return float(np.median(timed["auto"][0] / timed[best][0]))
 
 
-
 def _state_moved(row: dict) -> float | None:
     """How far the machine state moved from the probe's around this row's size (the
     sample further from 1x, as a ratio), or None while both stayed within STATE_TOLERANCE."""
@@ -326,13 +324,12 @@ def _state_moved(row: dict) -> float | None:
     if not ratios:
         return None
     far = max(ratios, key=lambda r: max(r, 1 / r))
-    return far if max(far, 1 / far) > STATE_TOLERANCE else None
+    return None if state_held((far, 1.0)) else far
 
 
 def _state_held(row: dict) -> bool:
     """Whether the machine state stayed within STATE_TOLERANCE across this row's size."""
-    before, after = row.get("state_around_s") or (1.0, 1.0)
-    return max(before, after) <= STATE_TOLERANCE * min(before, after)
+    return state_held(row.get("state_around_s") or (1.0,))
 
 
 def _model_rows(rows: list[dict], own: list[str]) -> list[dict]:
@@ -415,13 +412,14 @@ def _summary(rows, p: int) -> None:
             w = max(alone)
             print(f"  the model's choice alone, without the trials: worst {w[0]:.2f}x at "
                   f"{w[1]} B ({w[2]})")
-    errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in _model_rows(rows, own)]
+    model_rows = _model_rows(rows, own)
+    errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in model_rows]
     if errs:
         worst = max(errs)
         line = (f"  model error at >= 64 KiB (target <= 25%): worst {worst[0]:.0%} "
                 f"({worst[1]} at {worst[2]} B), median {np.median([e[0] for e in errs]):.0%}")
         if all("state_vs_probe" in r for r in rows):
-            kept = [e for e, r in zip(errs, _model_rows(rows, own)) if not _state_moved(r)]
+            kept = [e for e, r in zip(errs, model_rows) if not _state_moved(r)]
             n_all = len({e[2] for e in errs})
             n_kept = len({e[2] for e in kept})
             line += (f"; at the {n_kept} of {n_all} sizes where the machine state (a "

@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', recompute' if args.recompute else ''}")
         print(f"{'schedule':<12}{'p':>3}{'m':>4}{'ideal':>8}{'replay':>8}{'bubble':>8}{'err':>9}  "
               f"{'ok':<4}{'busiest':>8}{'err':>8}{'step ms':>9}{'us/act':>8}{'peak mb':>9}"
-              f"{'peak MiB':>10}  "
-              f"in flight per rank")
+              f"{'peak MiB':>10}  in flight per rank")
     for p in args.stages:
         if p > world.size:
             if root:

@@ -72,8 +72,7 @@ class Tuner:
         """Collective: MPIDIST_AUTOTUNE and the model's remembered picks as comm's first
         rank has them (a setting that differed between ranks would hang the trials)."""
         self.comm = comm
-        self.decisions: dict[int, str] = {}        # nbytes -> pick: the fast path
-        comm.auto_picks = self.decisions           # read by every auto call
+        self.decisions: dict[int, str] = {}        # nbytes -> pick: comm.auto_picks
         self.trials: dict[int, dict] = {}          # size class -> what its trial found
         model = costmodel.get_model(comm)
         on = enabled()
@@ -140,11 +139,15 @@ _lock = threading.Lock()
 
 
 def tuner(comm) -> Tuner:
-    """comm's tuner (made on first use; the model behind it is collective on first use)."""
+    """comm's tuner (made on first use, collectively: not under the lock, which another
+    thread may need meanwhile); its decisions become comm.auto_picks, auto's fast path."""
     with _lock:
         t = _tuners.get(comm)
-        if t is None:
-            t = _tuners[comm] = Tuner(comm)
+    if t is None:
+        t = Tuner(comm)
+        with _lock:
+            t = _tuners.setdefault(comm, t)
+            comm.auto_picks = t.decisions
     return t
 
 

@@ -52,7 +52,7 @@ from mpidist.collectives.ring import segment_bytes
 
 __all__ = ["CostModel", "coefficients", "round_order", "time_rounds", "measure",
            "measure_all", "get_model", "install", "probe", "PROBE_SIZES", "cache_path",
-           "machine_state", "STATE_BYTES", "STATE_TOLERANCE"]
+           "machine_state", "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
 
 PROBE_SIZES = (8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
                64 << 20, 256 << 20)
@@ -157,6 +157,11 @@ def machine_state(comm: MPI.Comm, reps: int = 15) -> float:
         times[i] = time.perf_counter() - t0
     comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
     return float(np.median(times))
+
+
+def state_held(samples) -> bool:
+    """Whether machine_state samples stayed within STATE_TOLERANCE of one another."""
+    return max(samples) <= STATE_TOLERANCE * min(samples)
 
 
 def _reps(nbytes: int) -> int:
@@ -305,17 +310,15 @@ def _probe_level(comm, algorithms, sizes, reps: int | None, seconds: float) -> d
     machine_state is sampled before the first size and after each one; where it moved by
     more than STATE_TOLERANCE the timings mix two machines, and the level is probed once
     more (the steadier attempt is kept; conditions say whether it was steady)."""
-    best = None
+    attempts = []
     for _ in range(PROBE_ATTEMPTS):
         level = _probe_level_once(comm, algorithms, sizes, reps, seconds)
-        states = level["conditions"]["state_s"]
-        level["conditions"]["state_steady"] = max(states) <= STATE_TOLERANCE * min(states)
-        if best is None or max(states) / min(states) < \
-                max(best["conditions"]["state_s"]) / min(best["conditions"]["state_s"]):
-            best = level
-        if level["conditions"]["state_steady"]:
+        steady = level["conditions"]["state_steady"] = state_held(level["conditions"]["state_s"])
+        attempts.append(level)
+        if steady:
             break
-    return best
+    return min(attempts, key=lambda lv: max(lv["conditions"]["state_s"])
+               / min(lv["conditions"]["state_s"]))
 
 
 def _probe_level_once(comm, algorithms, sizes, reps: int | None, seconds: float) -> dict:
