@@ -109,6 +109,10 @@ def mpi_env(n: int = 1, base: dict | None = None) -> dict:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+        if not (shutil.which("ssh") or shutil.which("rsh")):
+            # the ranks are local, but Open MPI 4's rsh launcher refuses to start without an
+            # ssh or rsh on PATH (containers): its isolated launcher needs neither
+            env.setdefault("OMPI_MCA_plm", "isolated")
         if not cma_permitted():       # a container forbids ptrace-based single copy
             env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
         else:

@@ -8,7 +8,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$here/results/gpu_check}
-py=${PYTHON:-python3}
+py=$(command -v "${PYTHON:-python3}") || { echo "no python3" >&2; exit 1; }
 mkdir -p "$out"
 cd "$here"
 status=0

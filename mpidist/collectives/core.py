@@ -47,6 +47,11 @@ def _check_out(out, like, n: int, what: str):
     return out_flat
 
 
+def _read_only(a) -> bool:
+    """A read-only NumPy array (CuPy arrays have no read-only mode, nor flags.writeable)."""
+    return not is_cupy(a) and not a.flags.writeable
+
+
 def _overlap(a, b) -> bool:
     if is_cupy(a):
         lo_a, lo_b = a.data.ptr, b.data.ptr
@@ -98,7 +103,7 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
         y = x if out is None or out is buf else _check_out(out, buf, x.size, "buf")
         if y is not x and _overlap(x, y):
             raise ValueError("out overlaps buf; pass out=None to reduce in place")
-        if not y.flags.writeable:
+        if _read_only(y):
             raise ValueError("the result array is read-only; pass a writeable out=")
         signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
                      ("algorithm", algorithm))
@@ -186,7 +191,7 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
         offset, count = chunk(x.size, c.rank, c.size)
         y = get_array_module(x).empty(count, dtype=x.dtype) if out is None else \
             _check_out(out, buf, count, "buf")
-        if not y.flags.writeable:
+        if _read_only(y):
             raise ValueError("out is read-only; pass a writeable out=")
         in_place = count > 0 and _overlap(x, y)
         if in_place and not same_view(x[offset:offset + count], y):
@@ -231,7 +236,7 @@ def allgather(shard, *, comm=None, out=None, algorithm="auto"):
                 raise TypeError(f"out ({type(out).__name__} {out.dtype}) must match the shard "
                                 f"({type(shard).__name__} {shard.dtype})")
             n = yo.size
-            if not yo.flags.writeable:
+            if _read_only(yo):
                 raise ValueError("out is read-only; pass a writeable out=")
             if s.size != chunk(n, c.rank, c.size)[1]:
                 raise ValueError(f"shard has {s.size} elements but chunk({n}, {c.rank}, "

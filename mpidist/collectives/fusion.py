@@ -22,7 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from mpi4py import MPI
 
 from mpidist.collectives import guard, select
-from mpidist.collectives.core import _check_out, _flat, prepare_allreduce, run_allreduce
+from mpidist.collectives.core import (_check_out, _flat, _read_only, prepare_allreduce,
+                                     run_allreduce)
 from mpidist.collectives.ops import accumulator_dtype, get_op
 from mpidist.collectives.registry import get_algorithm
 from mpidist.comm import as_communicator, on_free
@@ -153,7 +154,7 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
             dests = list(out)
             for a, o in zip(arrays, dests):
                 _check_out(o, a, a.size, "buf")
-        if not all(d.flags.writeable for d in dests):
+        if any(_read_only(d) for d in dests):
             raise ValueError("a result array is read-only; pass writeable arrays (or out=)")
         groups = buckets(flat, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
         shape = [(len(g), sum(flat[i].size for i in g), str(flat[g[0]].dtype)) for g in groups]
