@@ -223,6 +223,28 @@ class CuPyKernels:
 # Scalars arrive as np.float32, so the arithmetic is float32 both compiled (float32 x
 # float32) and in the simulator (NumPy scalars); sqrt goes through float64 and is rounded
 # back, which equals a correctly rounded float32 sqrt.
+# NVVM fuses a*b + c into one fma unless told not to, and cuda.jit has no switch for it
+# (fastmath=False still contracts): a product that feeds a sum goes through _mul32/_mul64,
+# libdevice's round-to-nearest multiply, which is never fused. The simulator has no
+# libdevice, and NumPy never fuses: plain products there.
+if numba_config.ENABLE_CUDASIM:
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        return a * b
+
+    _mul64 = _mul32
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        return libdevice.fmul_rn(a, b)
+
+    @cuda.jit(device=True)
+    def _mul64(a, b):
+        return libdevice.dmul_rn(a, b)
+
+
 @cuda.jit(device=True)
 def _cu_piece_of(pb, i):
     lo, hi = 0, pb.shape[0] - 1
@@ -239,8 +261,8 @@ def _cu_piece_of(pb, i):
 def _cu_adam_dir(d, m, v, vmax, B1, C1, B2, C2, D1, D2, E):
     # m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2 ; vm = max(vmax, v)
     # r = (m/bc1) / (sqrt(vm/bc2) + eps)
-    m1 = B1 * m + C1 * d
-    v1 = B2 * v + C2 * (d * d)
+    m1 = _mul32(B1, m) + _mul32(C1, d)
+    v1 = _mul32(B2, v) + _mul32(C2, d * d)
     vm = max(vmax, v1)
     return m1, v1, vm, (m1 / D1) / (float32(math.sqrt(vm / D2)) + E)
 
@@ -259,7 +281,7 @@ def _cu_adam_update(p, g, m, v, vmax, pb, pseg, seg_wd, seg_c, gs, B1, C1, B2, C
         v[i] = v1
         if amsgrad:
             vmax[i] = vm1
-        p[i] = w - seg_c[s] * (r + seg_wd[s] * w)
+        p[i] = w - _mul32(seg_c[s], r + _mul32(seg_wd[s], w))
         i += cuda.gridsize(1)
 
 
@@ -271,13 +293,13 @@ def _cu_momentum_update(p, g, buf, pb, pseg, seg_wd, seg_c, gs, decay, mom, lr, 
     while i < p.shape[0]:
         s = pseg[_cu_piece_of(pb, i)]
         w = p[i]
-        d = g[i] * gs + seg_wd[s] * w
+        d = _mul32(g[i], gs) + _mul32(seg_wd[s], w)
         if use_buf:
-            b = decay * buf[i] + seg_c[s] * d
+            b = _mul32(decay, buf[i]) + _mul32(seg_c[s], d)
             buf[i] = b
-            p[i] = w - lr * (d + mom * b if nesterov else b)
+            p[i] = w - _mul32(lr, d + _mul32(mom, b) if nesterov else b)
         else:
-            p[i] = w - lr * (seg_c[s] * d)
+            p[i] = w - _mul32(lr, seg_c[s] * d)
         i += cuda.gridsize(1)
 
 
@@ -307,8 +329,8 @@ def _cu_sumsq_pg(p, g, gs, lo, hi, out):
     while i < hi[c]:
         w = float(p[i])
         d = float(g[i] * gs)
-        aw += w * w
-        ag += d * d
+        aw += _mul64(w, w)
+        ag += _mul64(d, d)
         i += cuda.blockDim.x
     sh[t, 0] = aw
     sh[t, 1] = ag
@@ -332,10 +354,10 @@ def _cu_lamb_sums(p, g, m, v, vmax, lo, hi, seg, seg_wd, gs, B1, C1, B2, C2, D1,
         d = g[i] * gs
         vm0 = vmax[i] if amsgrad else float32(0.0)
         _, _, _, r = _cu_adam_dir(d, m[i], v[i], vm0, B1, C1, B2, C2, D1, D2, E)
-        u = float(r + wd * w)
-        aw += float(w) * float(w)
-        au += u * u
-        ag += float(d) * float(d)
+        u = float(r + _mul32(wd, w))
+        aw += _mul64(float(w), float(w))
+        au += _mul64(u, u)
+        ag += _mul64(float(d), float(d))
         i += cuda.blockDim.x
     sh[t, 0] = aw
     sh[t, 1] = au

@@ -235,6 +235,7 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
         from mpidist.kernels.backend import gpu_available
         if not gpu_available():
             errors.append("[job] device = 'gpu' needs CuPy and a CUDA GPU on this machine")
+    errors += _check_parallel_hdf5(cfg)
     if cfg["job"]["epochs"] == 0 and cfg["job"]["steps"] == 0:
         errors.append("[job] set epochs > 0 or steps > 0")
     if world_size is not None:
@@ -271,6 +272,29 @@ def default_text_path() -> str:
     """The sample text shipped in the repository's data/ directory."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "data", "sample.txt")
+
+
+def parallel_hdf5() -> bool:
+    """h5py was built with MPI (the mpio driver that checkpoints and HDF5 datasets use)."""
+    import h5py
+    return bool(h5py.get_config().mpi)
+
+
+def _check_parallel_hdf5(cfg: dict) -> list[str]:
+    """Checkpoints and HDF5 datasets open their files with h5py's mpio driver: without it
+    the job would fail at its first save, after the work before it."""
+    ck, users = cfg["checkpoint"], []
+    if ck["interval"] > 0 or ck["resume"] or ck["dir"]:
+        users.append(("[checkpoint] " + ("resume = true" if ck["resume"] else
+                                         f"interval = {ck['interval']}" if ck["interval"] else
+                                         "dir"), ", or turn checkpoints off (interval = 0)"))
+    if cfg["data"]["dataset"] == "hdf5":
+        users.append(("[data] dataset = 'hdf5'", ""))
+    if not users or parallel_hdf5():
+        return []
+    return [f"{where} needs h5py built with MPI (parallel HDF5), and this h5py has none "
+            f"(`mpidist info` shows MPI-IO): install it with scripts/setup_env.sh{alt}"
+            for where, alt in users]
 
 
 def _check_registry(module: str, what: str, name: str, where: str) -> list[str]:
