@@ -20,8 +20,10 @@ __all__ = ["ArrayDataset", "H5Dataset", "H5TextDataset", "open_dataset"]
 
 
 def _open(path: str, comm):
-    """h5py File opened collectively with the MPI-IO driver over comm (or plainly without one)."""
-    if comm is None or comm.size == 1:
+    """h5py File opened collectively with the MPI-IO driver over comm; plainly on each rank
+    without a communicator, or with an h5py built without MPI (reads need no coordination:
+    only MPI-IO's collective buffering is lost)."""
+    if comm is None or comm.size == 1 or not h5py.get_config().mpi:
         return h5py.File(path, "r")
     return h5py.File(path, "r", driver="mpio", comm=comm.comm)
 

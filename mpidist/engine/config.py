@@ -275,26 +275,22 @@ def default_text_path() -> str:
 
 
 def parallel_hdf5() -> bool:
-    """h5py was built with MPI (the mpio driver that checkpoints and HDF5 datasets use)."""
+    """h5py was built with MPI (the mpio driver that checkpoints write and read with)."""
     import h5py
     return bool(h5py.get_config().mpi)
 
 
 def _check_parallel_hdf5(cfg: dict) -> list[str]:
-    """Checkpoints and HDF5 datasets open their files with h5py's mpio driver: without it
-    the job would fail at its first save, after the work before it."""
-    ck, users = cfg["checkpoint"], []
-    if ck["interval"] > 0 or ck["resume"] or ck["dir"]:
-        users.append(("[checkpoint] " + ("resume = true" if ck["resume"] else
-                                         f"interval = {ck['interval']}" if ck["interval"] else
-                                         "dir"), ", or turn checkpoints off (interval = 0)"))
-    if cfg["data"]["dataset"] == "hdf5":
-        users.append(("[data] dataset = 'hdf5'", ""))
-    if not users or parallel_hdf5():
+    """Checkpoints are written and read with h5py's mpio driver: without it the job would
+    fail at its first save, after the work before it."""
+    ck = cfg["checkpoint"]
+    if not (ck["interval"] > 0 or ck["resume"] or ck["dir"]) or parallel_hdf5():
         return []
-    return [f"{where} needs h5py built with MPI (parallel HDF5), and this h5py has none "
-            f"(`mpidist info` shows MPI-IO): install it with scripts/setup_env.sh{alt}"
-            for where, alt in users]
+    key = ("resume = true" if ck["resume"] else
+           f"interval = {ck['interval']}" if ck["interval"] else "dir")
+    return [f"[checkpoint] {key} needs h5py built with MPI (parallel HDF5), and this h5py has "
+            "none (`mpidist info` shows MPI-IO): install it with scripts/setup_env.sh, or turn "
+            "checkpoints off (interval = 0)"]
 
 
 def _check_registry(module: str, what: str, name: str, where: str) -> list[str]:

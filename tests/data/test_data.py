@@ -88,6 +88,25 @@ def test_digits_parallel_hdf5_read(comm, shared_dir):
         assert all(digits.target[key[x.tobytes()]] == y for x, y in zip(all_x, all_y))
 
 
+def test_reads_without_mpi_io_equal_the_parallel_reads(comm, shared_dir, monkeypatch):
+    """With an h5py built without MPI, each rank opens the file on its own (plain driver)
+    and reads the same rows as through MPI-IO."""
+    import types
+
+    import mpidist.data.datasets as datasets
+    path = import_digits(os.path.join(shared_dir, "digits.h5"), test_fraction=0.25, seed=1, comm=comm)
+    idx = np.arange(comm.rank, 1000, 7 + comm.size)[::-1]
+    with H5Dataset(path, "train", comm) as ds:
+        parallel = ds.read(idx)
+        driver = ds.file.driver
+    monkeypatch.setattr(datasets.h5py, "get_config", lambda: types.SimpleNamespace(mpi=False))
+    with H5Dataset(path, "train", comm) as ds:
+        plain = ds.read(idx)
+        assert ds.file.driver == "sec2"
+    assert driver == ("mpio" if comm.size > 1 else "sec2")
+    assert all(np.array_equal(a, b) for a, b in zip(parallel, plain))
+
+
 def test_synthetic_is_deterministic_and_sized(comm, shared_dir):
     p1 = make_synthetic(os.path.join(shared_dir, "s1.h5"), samples=40, features=5, classes=3, seed=2, comm=comm)
     p2 = make_synthetic(os.path.join(shared_dir, "s2.h5"), samples=40, features=5, classes=3, seed=2, comm=comm)
