@@ -7,8 +7,8 @@ formula, two devices. Kernels are built on first use and cached, so importing th
 needs neither CuPy nor a GPU. Under NUMBA_ENABLE_CUDASIM=1 the kernels run in Numba's CUDA
 simulator on NumPy arrays (tiny sizes: the CPU test suite covers them that way).
 
-Reductions and top-k selection use CuPy's own kernels (abs, max, sort, nonzero), which
-are faster than anything hand-written here.
+Reductions and top-k selection use CuPy's own kernels (a ReductionKernel for max |x|,
+sort, nonzero), which are faster than anything hand-written here.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import numpy as np
 from numba import cuda   # importing numba.cuda needs no GPU; kernels compile on first use
 
 from mpidist.kernels import compress_cpu as _cpu
+from mpidist.kernels.backend import is_cupy
 
 __all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "fp16_decode",
            "bf16_decode", "sign_encode",
@@ -150,15 +151,25 @@ def _kernels() -> SimpleNamespace:
                            qsgd_unpack_add=qsgd_unpack_add, randomk=randomk)
 
 
+@functools.lru_cache(maxsize=None)
+def _absmax_reduction():
+    """One CuPy reduction pass over the bits (masking first made a temporary: three passes)."""
+    import cupy as cp
+    return cp.ReductionKernel("uint32 b", "uint32 m", "b & 0x7FFFFFFFu", "max(a, b)", "m = a",
+                              "0", "mpidist_absmax_bits")
+
+
 def absmax_bits(bits):
     """max |x| as float32 bit patterns (> 0x7F800000: a NaN is present)."""
     if bits.size == 0:
         return 0
-    return int((bits & np.uint32(0x7FFFFFFF)).max())
+    if is_cupy(bits):
+        return int(_absmax_reduction()(bits))
+    return int((bits & np.uint32(0x7FFFFFFF)).max())      # NumPy arrays: the simulator
 
 
 def all_finite(bits) -> bool:
-    return bool(((bits & np.uint32(0x7FFFFFFF)) < np.uint32(0x7F800000)).all())
+    return absmax_bits(bits) < 0x7F800000
 
 
 def fp16_encode(bits, k, out) -> None:

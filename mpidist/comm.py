@@ -191,6 +191,16 @@ class Communicator:
         """True when the MPI library takes CUDA device pointers (env overrides)."""
         return cuda_aware_mpi()
 
+    def use_gpu(self) -> int:
+        """Make this rank's GPU CuPy's current device and return its id: the node's GPUs
+        round-robin by local rank (as Horovod and DDP pin one GPU per local rank), among
+        those CUDA_VISIBLE_DEVICES shows."""
+        from mpidist.kernels.backend import cupy
+        cp = cupy()
+        device = self.local_rank % cp.cuda.runtime.getDeviceCount()
+        cp.cuda.Device(device).use()
+        return device
+
     def to_mpi(self, x):
         """A buffer MPI may touch for array x (synchronised device data or a host copy)."""
         if not is_cupy(x):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with a CUDA GPU whose Python already has CuPy, Numba,
 # mpi4py (with an MPI library and its mpiexec) and h5py: the gpu-marked tests at 1 and 2
-# ranks (the ranks share the devices round-robin), `mpidist bench gpu` (kernels at 1 rank,
+# ranks (a node's GPUs round-robin by local rank), `mpidist bench gpu` (kernels at 1 rank,
 # CuPy allreduce at 2), and the main job trained on the GPU at 2 ranks.
 # Installs mpidist itself (editable, without dependencies) into that Python.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]     (OUTDIR gets the bench JSON and job metrics)

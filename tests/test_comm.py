@@ -133,3 +133,11 @@ def test_split_with_a_new_grouping_never_reuses_another_grouping(comm):
     second = comm.split(color=0 if comm.rank < 2 else 1)
     assert first.size == (1 if comm.rank == 0 else comm.size - 1)
     assert second.size == (min(2, comm.size) if comm.rank < 2 else comm.size - 2)
+
+
+@pytest.mark.gpu
+def test_use_gpu_pins_the_node_gpus_round_robin_by_local_rank(comm):
+    import cupy as cp
+    device = comm.use_gpu()
+    assert device == comm.local_rank % cp.cuda.runtime.getDeviceCount()
+    assert cp.cuda.Device().id == device

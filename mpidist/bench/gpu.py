@@ -14,10 +14,10 @@ prints its error and the others still run):
      AdamW(fused=True) and SGD(foreach=True) on the same tensors when torch sees the GPU.
   3. compressors: each compressor's encode on a CuPy gradient, as GB/s of float32 input,
      next to CuPy's astype(float16) and torch.topk (1%) where torch is there; rank 0.
-  4. allreduce: every rank (ranks share the devices round-robin) reduces a CuPy buffer and
-     a NumPy buffer of the same size with each algorithm: median seconds, slowest rank. A
-     CuPy buffer goes straight to a CUDA-aware MPI, else through host memory; the gap
-     between the two columns is that staging.
+  4. allreduce: every rank (on its node's GPUs round-robin by local rank) reduces a CuPy
+     buffer and a NumPy buffer of the same size with each algorithm: median seconds, slowest
+     rank (ranks sharing one GPU also share its time slices). A CuPy buffer goes straight
+     to a CUDA-aware MPI, else through host memory; the gap between the columns is that.
 Writes gpu.json under --out (rank 0).
 """
 from __future__ import annotations
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         comm.free()
         return 2
     import cupy as cp
-    cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount()).use()
-    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    props = cp.cuda.runtime.getDeviceProperties(comm.use_gpu())
     report = {"device": props["name"].decode(), "cupy": cp.__version__, "mpi": mpi_library(),
               "ranks": comm.size}
 

@@ -35,6 +35,7 @@ class DataParallel(Strategy):
         if config["job"]["device"] == "gpu":
             from mpidist.kernels.backend import cupy
             self.xp = cupy()
+            comm.use_gpu()
         self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32, xp=self.xp,
                                                            seed=config["job"]["seed"])
         self.optimizer = build_optimizer_from_config(config, self.layout)
