@@ -21,6 +21,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.kernels.backend import is_cupy
 from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler
 from mpidist.ps.windows import DONE, HALT, PAUSE, TICKET, VERSION, WRITING, CtrlLayout, Windows
 
@@ -86,20 +87,33 @@ class Worker:
 
     # ------------------------------------------------------------------ pull
     def pull(self, out: np.ndarray | None = None) -> np.ndarray:
-        """The current parameters (after any wait the consistency model demands)."""
+        """The current parameters (after any wait the consistency model demands); into out
+        when given, a NumPy or a CuPy array (staged through host memory: the servers'
+        windows live there)."""
         self._check_live()
-        out = self._out(out)
+        host = self._out(out)
         self._wait_for_model()
         self._pulled_at = self.clock
-        return self._get(out)
+        return self._deliver(self._get(host), out)
 
-    def _out(self, out):
+    def _out(self, out) -> np.ndarray:
+        """The host buffer a pull reads into: out itself, or for a CuPy out (or none) a new
+        NumPy array."""
         if out is None:
             return np.empty(self.n, self.dtype)
-        if not (isinstance(out, np.ndarray) and out.shape == (self.n,) and out.dtype == self.dtype
-                and out.flags.c_contiguous):
-            raise ValueError(f"out must be a contiguous {self.dtype} array of shape ({self.n},)")
-        return out
+        if not ((isinstance(out, np.ndarray) or is_cupy(out)) and out.shape == (self.n,)
+                and out.dtype == self.dtype and out.flags.c_contiguous):
+            raise ValueError(f"out must be a contiguous {self.dtype} NumPy or CuPy array of "
+                             f"shape ({self.n},)")
+        return np.empty(self.n, self.dtype) if is_cupy(out) else out
+
+    @staticmethod
+    def _deliver(host: np.ndarray, out):
+        """host, copied into out first where out is a CuPy array."""
+        if is_cupy(out):
+            out.set(host)
+            return out
+        return host
 
     def _get(self, out: np.ndarray) -> np.ndarray:
         """Read every server's current parameter buffer into out (seqlock retry)."""
@@ -188,14 +202,16 @@ class Worker:
                 break
             check_abort(self.wins)
             backoff.wait()
-        return self._get(self._out(out))
+        return self._deliver(self._get(self._out(out)), out)
 
     # ------------------------------------------------------------------ push
     def push(self, grad: np.ndarray) -> None:
-        """Add `grad` (the full flat gradient) into the servers' next update."""
+        """Add `grad` (the full flat gradient, NumPy or CuPy) into the servers' next update."""
         self._check_live()
+        if is_cupy(grad):
+            grad = grad.get()             # the servers' windows live in host memory
         if not isinstance(grad, np.ndarray) or grad.shape != (self.n,):
-            raise ValueError(f"grad must be a NumPy array of shape ({self.n},), got "
+            raise ValueError(f"grad must be a NumPy or CuPy array of shape ({self.n},), got "
                              f"{getattr(grad, 'shape', type(grad).__name__)}")
         if self.consistency.model == "bsp" and self._pulled_at != self.clock:
             raise RuntimeError("BSP: call pull() before every push(), so each step's update "

@@ -252,3 +252,40 @@ def test_a_silent_server_makes_workers_time_out_not_hang(comm):
             if ps.worker is not None:
                 ps.run(lambda p, t: np.ones(4), 3)
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.mpi(min_size=2)
+def test_push_and_pull_name_the_arrays_they_take(comm):
+    """A wrong gradient or out raises on the worker, before any RMA (the with block then
+    ends the job everywhere: the servers see the worker fail instead of waiting)."""
+    with pytest.raises((ValueError, RuntimeError, RemoteError)) as info:
+        with ParameterServer(np.zeros(4), comm=comm, consistency="asp", timeout=20) as ps:
+            if ps.worker is not None:
+                ps.worker.pull(out=np.zeros(4, np.float32))
+            ps.run(lambda p, t: np.ones(4), 1)
+    if ps.worker is not None:
+        assert "NumPy or CuPy array of shape (4,)" in str(info.value)
+    with pytest.raises((ValueError, RuntimeError, RemoteError)) as info:
+        with ParameterServer(np.zeros(4), comm=comm, consistency="asp", timeout=20) as ps:
+            ps.run(lambda p, t: [1.0, 2.0, 3.0, 4.0], 1)
+    if ps.worker is not None:
+        assert "grad must be a NumPy or CuPy array of shape (4,), got list" in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_cupy_gradients_and_parameters_stage_through_host(comm):
+    """Workers push CuPy gradients and pull into CuPy arrays: the sums are exact."""
+    import cupy as cp
+    n, K = 257, 6
+    with ParameterServer(np.zeros(n), comm=comm, consistency="bsp", average=False,
+                         timeout=30) as ps:
+        w = ps.worker_index
+        ps.run(lambda p, t: cp.asarray(_pushes(w, t, n), dtype=cp.float64), K)
+        out = cp.zeros(n, cp.float64)
+        pulled = ps.worker.pull_final(out=out) if ps.worker is not None else None
+        final = ps.parameters()
+    np.testing.assert_array_equal(final, _expected(ps.num_workers, K, n))
+    if pulled is not None:
+        assert pulled is out
+        np.testing.assert_array_equal(cp.asnumpy(pulled), final)
