@@ -28,6 +28,7 @@ def info(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
     import mpidist
     from mpidist.comm import Communicator, mpi_library
+    from mpidist.h5 import parallel_hdf5
     from mpidist.kernels.backend import cupy_available, gpu_available
 
     from mpidist.collectives import autotune, costmodel
@@ -48,8 +49,9 @@ def info(argv: list[str] | None = None) -> int:
             ("hosts", ", ".join(sorted(set(hosts)))),
             ("nodes", comm.describe()),
             ("CUDA-aware MPI", "yes" if comm.cuda_aware else "no (CuPy buffers staged through host)"),
-            ("h5py", f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, "
-                     f"MPI-IO {'yes' if h5py.get_config().mpi else 'NO (rebuild with HDF5_MPI=ON)'}"),
+            ("h5py", f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, MPI-IO "
+                     + ("yes" if parallel_hdf5() else "no (checkpoints written by the ranks in "
+                                                       "turns; HDF5_MPI=ON builds parallel)")),
             ("NumPy / Numba", f"{numpy.__version__} / {numba.__version__}"),
             ("CuPy", "yes, GPU present" if gpu_available() else
                      ("installed, no GPU" if cupy_available() else "not installed")),

@@ -15,6 +15,7 @@ import numpy as np
 from mpidist.checkpoint import format as fmt
 from mpidist.checkpoint.crc import combine_pieces, crc32
 from mpidist.comm import as_communicator
+from mpidist.h5 import open_file
 from mpidist.partition import chunk
 
 __all__ = ["CheckpointReader", "open_checkpoint", "inspect_checkpoint"]
@@ -97,13 +98,12 @@ class CheckpointReader:
         self.rank_meta: list = info["rank_meta"]
         self.world_size: int = info["world_size"]
         self.tensors: dict = info["tensors"]
-        # 2. everyone opens it with MPI-IO
-        import h5py
+        # 2. everyone opens it (with MPI-IO where h5py has it)
         self._file = None
         try:
-            self._file = h5py.File(self.path, "r", driver="mpio", comm=c.comm)
+            self._file = open_file(self.path, "r", c)
         except Exception as exc:  # noqa: BLE001
-            err = fmt.CorruptCheckpointError(f"{self.path} does not open with MPI-IO: "
+            err = fmt.CorruptCheckpointError(f"{self.path} does not open: "
                                              f"{type(exc).__name__}: {exc}")
         fmt.agree(c, err, fmt.CorruptCheckpointError)
         if verify:

@@ -1,5 +1,6 @@
 """The collective checkpoint writer: one parallel-HDF5 file, one dataset per global tensor,
-every rank writing its own slices, atomically renamed into place.
+every rank writing its own slices, atomically renamed into place (where h5py has no MPI,
+the ranks write the same file in turns).
 
 Input is a mapping key -> what this rank holds of that tensor: a whole array (a replicated
 tensor: the ranks holding it split the writing among them) or a piece with .shape (the
@@ -22,6 +23,7 @@ from mpidist.checkpoint import format as fmt
 from mpidist.checkpoint.crc import combine_pieces, crc32
 from mpidist.checkpoint.plan import assign
 from mpidist.comm import as_communicator
+from mpidist import h5
 from mpidist.kernels.backend import to_numpy
 
 __all__ = ["write_checkpoint", "collective_io"]
@@ -186,7 +188,11 @@ def _global_table(specs: list[dict], size: int) -> dict:
 
 
 def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
-    """Create the file on every rank, write my ranges of every tensor, set the attributes."""
+    """Create the file, write my ranges of every tensor, set the attributes: every rank at
+    once through MPI-IO, or in turns where h5py has no MPI (_write_in_turns)."""
+    if not h5.parallel_hdf5():
+        return _write_in_turns(tmp, table, local, c, step=step, head=head,
+                               rank_jsons=rank_jsons)
     import h5py
     from h5py import h5fd, h5p
 
@@ -226,6 +232,45 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
         except Exception as exc:  # noqa: BLE001
             err = exc
     fmt.agree(c, err)
+
+
+def _write_in_turns(tmp, table, local, c, *, step, head, rank_jsons):
+    """The same file without MPI-IO: rank 0 creates the datasets, then each rank in turn
+    opens the file alone and writes its ranges, then rank 0 sets the attributes. As many
+    writers as ranks, one at a time: slower than parallel HDF5, but the same bytes."""
+    import h5py
+
+    def on_rank(rank, mode, work):
+        err = None
+        if c.rank == rank:
+            try:
+                with h5py.File(tmp, mode, libver="latest") as f:
+                    work(f)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+                err = exc
+        fmt.agree(c, err)
+
+    def create(f):
+        group = f.create_group(fmt.TENSORS)
+        for key, t in table.items():
+            group.create_dataset(key, shape=t["shape"], dtype=fmt.storage_dtype(t["dtype"]),
+                                 fill_time="never")
+
+    my_crcs = []
+
+    def write_mine(f):
+        for key, t in table.items():
+            if prod(t["shape"]) and t["mine"][c.rank]:
+                my_crcs.extend(_write_tensor(f[fmt.TENSORS][key], key, t, local.get(key),
+                                             c.rank, None))
+
+    on_rank(0, "w", create)
+    for rank in range(c.size):
+        on_rank(rank, "r+", write_mine)
+    crcs = _combine(c.comm.allgather(my_crcs), table)
+    on_rank(0, "r+", lambda f: _set_attrs(
+        f, {key: f[fmt.TENSORS][key] for key in table}, table, crcs, c.size, step=step,
+        head=head, rank_jsons=rank_jsons))
 
 
 def _write_tensor(dset, key, t, held, rank, dxpl):

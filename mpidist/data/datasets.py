@@ -16,16 +16,9 @@ import json
 import h5py
 import numpy as np
 
+from mpidist.h5 import open_file
+
 __all__ = ["ArrayDataset", "H5Dataset", "H5TextDataset", "open_dataset"]
-
-
-def _open(path: str, comm):
-    """h5py File opened collectively with the MPI-IO driver over comm; plainly on each rank
-    without a communicator, or with an h5py built without MPI (reads need no coordination:
-    only MPI-IO's collective buffering is lost)."""
-    if comm is None or comm.size == 1 or not h5py.get_config().mpi:
-        return h5py.File(path, "r")
-    return h5py.File(path, "r", driver="mpio", comm=comm.comm)
 
 
 class _Closing:
@@ -58,7 +51,7 @@ class H5Dataset(_Closing):
     """One split ("train" / "test") of a classification HDF5 file."""
 
     def __init__(self, path: str, split: str = "train", comm=None):
-        self.file = _open(path, comm)
+        self.file = open_file(path, "r", comm)
         if split not in self.file:
             raise ValueError(f"{path} has no split {split!r}; it has {list(self.file)}")
         self.x, self.y = self.file[split]["x"], self.file[split]["y"]
@@ -83,7 +76,7 @@ class H5TextDataset(_Closing):
     """Byte-level LM samples: sample i is tokens[i*block : i*block + block + 1] (inputs, next bytes)."""
 
     def __init__(self, path: str, split: str = "train", block: int = 64, comm=None):
-        self.file = _open(path, comm)
+        self.file = open_file(path, "r", comm)
         if split not in self.file:
             raise ValueError(f"{path} has no split {split!r}; it has {list(self.file)}")
         self.tokens = self.file[split]["tokens"]

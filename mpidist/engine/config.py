@@ -235,7 +235,6 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
         from mpidist.kernels.backend import gpu_available
         if not gpu_available():
             errors.append("[job] device = 'gpu' needs CuPy and a CUDA GPU on this machine")
-    errors += _check_parallel_hdf5(cfg)
     if cfg["job"]["epochs"] == 0 and cfg["job"]["steps"] == 0:
         errors.append("[job] set epochs > 0 or steps > 0")
     if world_size is not None:
@@ -272,25 +271,6 @@ def default_text_path() -> str:
     """The sample text shipped in the repository's data/ directory."""
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "data", "sample.txt")
-
-
-def parallel_hdf5() -> bool:
-    """h5py was built with MPI (the mpio driver that checkpoints write and read with)."""
-    import h5py
-    return bool(h5py.get_config().mpi)
-
-
-def _check_parallel_hdf5(cfg: dict) -> list[str]:
-    """Checkpoints are written and read with h5py's mpio driver: without it the job would
-    fail at its first save, after the work before it."""
-    ck = cfg["checkpoint"]
-    if not (ck["interval"] > 0 or ck["resume"] or ck["dir"]) or parallel_hdf5():
-        return []
-    key = ("resume = true" if ck["resume"] else
-           f"interval = {ck['interval']}" if ck["interval"] else "dir")
-    return [f"[checkpoint] {key} needs h5py built with MPI (parallel HDF5), and this h5py has "
-            "none (`mpidist info` shows MPI-IO): install it with scripts/setup_env.sh, or turn "
-            "checkpoints off (interval = 0)"]
 
 
 def _check_registry(module: str, what: str, name: str, where: str) -> list[str]:

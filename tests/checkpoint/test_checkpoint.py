@@ -96,6 +96,32 @@ def test_independent_io_gives_the_same_file_content(comm, shared_dir):
     assert {k: v["crc32"] for k, v in a.items()} == {k: v["crc32"] for k, v in b.items()}
 
 
+def test_without_mpi_io_the_ranks_write_the_same_file_in_turns(comm, shared_dir, monkeypatch):
+    """Without MPI-IO (an h5py built without MPI, or MPIDIST_HDF5_MPIO=0): the ranks write
+    in turns and read on their own; the file holds the same bytes as the parallel write's,
+    and reads back whole and resharded."""
+    full = global_tensors(2)
+    parallel, turns = (os.path.join(shared_dir, f"{m}.h5") for m in ("parallel", "turns"))
+    write_checkpoint(parallel, my_pieces(full, comm.rank, comm.size), step=3, comm=comm)
+    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "0")
+    used = []
+    real = writer_module._write_in_turns
+    monkeypatch.setattr(writer_module, "_write_in_turns",
+                        lambda *a, **k: used.append(1) or real(*a, **k))
+    write_checkpoint(turns, my_pieces(full, comm.rank, comm.size), step=3,
+                     rank_meta={"rank": comm.rank}, comm=comm)
+    assert used == [1]
+    a, b = (inspect_checkpoint(p)["tensors"] for p in (parallel, turns))
+    assert {k: v["crc32"] for k, v in a.items()} == {k: v["crc32"] for k, v in b.items()}
+    with open_checkpoint(turns, comm=comm) as src:
+        assert src.step == 3 and src.rank_meta == [{"rank": r} for r in range(comm.size)]
+        for key, t in full.items():
+            assert src.read_full(key).tobytes() == t.tobytes(), key
+            offset, part = src.read_chunk(key)
+            o, c = chunk(t.size, comm.rank, comm.size)
+            assert offset == o and np.array_equal(part, t.reshape(-1)[o:o + c]), key
+
+
 @pytest.mark.parametrize("ranks_per_node", [None, 1])
 def test_io_mode_defaults_to_collective_across_nodes_only(comm, shared_dir, monkeypatch,
                                                           ranks_per_node):
@@ -283,3 +309,14 @@ def test_training_hook_saves_resumes_and_stops_on_signal(comm, shared_dir):
             hook.resume(_Strategy(comm, n=12))
         finally:
             hook.close()
+
+
+def test_mpio_switch_takes_only_0_or_1(monkeypatch):
+    from mpidist.h5 import parallel_hdf5
+    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "0")
+    assert parallel_hdf5() is False
+    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "1")
+    assert parallel_hdf5() is h5py.get_config().mpi
+    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "no")
+    with pytest.raises(ValueError, match="MPIDIST_HDF5_MPIO must be 0 or 1"):
+        parallel_hdf5()

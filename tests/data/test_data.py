@@ -89,17 +89,14 @@ def test_digits_parallel_hdf5_read(comm, shared_dir):
 
 
 def test_reads_without_mpi_io_equal_the_parallel_reads(comm, shared_dir, monkeypatch):
-    """With an h5py built without MPI, each rank opens the file on its own (plain driver)
-    and reads the same rows as through MPI-IO."""
-    import types
-
-    import mpidist.data.datasets as datasets
+    """Without MPI-IO (MPIDIST_HDF5_MPIO=0, or an h5py built without MPI), each rank opens
+    the file on its own (plain driver) and reads the same rows as through MPI-IO."""
     path = import_digits(os.path.join(shared_dir, "digits.h5"), test_fraction=0.25, seed=1, comm=comm)
     idx = np.arange(comm.rank, 1000, 7 + comm.size)[::-1]
     with H5Dataset(path, "train", comm) as ds:
         parallel = ds.read(idx)
         driver = ds.file.driver
-    monkeypatch.setattr(datasets.h5py, "get_config", lambda: types.SimpleNamespace(mpi=False))
+    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "0")
     with H5Dataset(path, "train", comm) as ds:
         plain = ds.read(idx)
         assert ds.file.driver == "sec2"

@@ -121,16 +121,3 @@ def test_schema_prints_as_toml():
     parsed = tomllib.loads(format_schema())
     assert set(parsed) == set(SCHEMA)
 
-
-def test_checkpoints_without_parallel_hdf5_fail_before_any_work(monkeypatch):
-    """An h5py without MPI cannot write the mpio checkpoint files: the config says so,
-    instead of the job failing at its first save."""
-    import mpidist.engine.config as config
-    assert validate({"checkpoint": {"interval": 5}})           # this h5py has MPI
-    monkeypatch.setattr(config, "parallel_hdf5", lambda: False)
-    lines = [line.strip() for line in _errors({"checkpoint": {"interval": 5}})]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("[checkpoint] interval = 5 needs h5py built with MPI")
-    assert lines[0].endswith("or turn checkpoints off (interval = 0)")
-    assert "resume = true needs" in _errors({"checkpoint": {"resume": True}})[0]
-    assert validate({"checkpoint": {"interval": 0}})["checkpoint"]["dir"] is None

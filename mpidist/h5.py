@@ -1,0 +1,33 @@
+"""How mpidist opens HDF5 files on a communicator: parallel HDF5 (h5py's mpio driver)
+where h5py was built with MPI, else each rank on its own with the default driver.
+
+Reads need no coordination either way. Writes (checkpoints) with MPI-IO go to the file
+from every rank at once; without it, ranks take turns (checkpoint.writer).
+"""
+from __future__ import annotations
+
+import os
+
+import h5py
+
+__all__ = ["parallel_hdf5", "open_file", "ENV_MPIO"]
+
+ENV_MPIO = "MPIDIST_HDF5_MPIO"
+
+
+def parallel_hdf5() -> bool:
+    """h5py was built with MPI (`mpidist info` shows it as MPI-IO), and MPIDIST_HDF5_MPIO=0
+    does not turn it off (for a filesystem whose MPI-IO is broken or slow, such as NFS
+    without the locking ROMIO needs)."""
+    env = os.environ.get(ENV_MPIO, "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{ENV_MPIO} must be 0 or 1, got {env!r}")
+    return env != "0" and bool(h5py.get_config().mpi)
+
+
+def open_file(path: str, mode: str, comm=None, **kwargs):
+    """h5py.File(path, mode): with the mpio driver over comm (collective) when comm has
+    several ranks and h5py has MPI, else plainly on this rank."""
+    if comm is None or comm.size == 1 or not parallel_hdf5():
+        return h5py.File(path, mode, **kwargs)
+    return h5py.File(path, mode, driver="mpio", comm=comm.comm, **kwargs)
