@@ -10,7 +10,7 @@ import os
 
 import h5py
 
-__all__ = ["parallel_hdf5", "open_file", "ENV_MPIO"]
+__all__ = ["parallel_hdf5", "agreed_parallel_hdf5", "open_file", "ENV_MPIO"]
 
 ENV_MPIO = "MPIDIST_HDF5_MPIO"
 
@@ -25,9 +25,23 @@ def parallel_hdf5() -> bool:
     return env != "0" and bool(h5py.get_config().mpi)
 
 
+def agreed_parallel_hdf5(comm) -> bool:
+    """Collective: parallel_hdf5() on every rank of comm (a Communicator), so that all take
+    the same path; a bad MPIDIST_HDF5_MPIO on any rank raises on all."""
+    try:
+        mine, err = parallel_hdf5(), None
+    except ValueError as exc:
+        mine, err = False, str(exc)
+    votes = comm.comm.allgather((mine, err))
+    errors = [e for _, e in votes if e]
+    if errors:
+        raise ValueError(errors[0])
+    return all(m for m, _ in votes)
+
+
 def open_file(path: str, mode: str, comm=None, **kwargs):
     """h5py.File(path, mode): with the mpio driver over comm (collective) when comm has
-    several ranks and h5py has MPI, else plainly on this rank."""
-    if comm is None or comm.size == 1 or not parallel_hdf5():
+    several ranks and every rank's h5py has MPI, else plainly on this rank."""
+    if comm is None or comm.size == 1 or not agreed_parallel_hdf5(comm):
         return h5py.File(path, mode, **kwargs)
     return h5py.File(path, mode, driver="mpio", comm=comm.comm, **kwargs)

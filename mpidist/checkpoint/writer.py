@@ -19,11 +19,11 @@ from math import prod
 import numpy as np
 
 import mpidist
+from mpidist import h5
 from mpidist.checkpoint import format as fmt
 from mpidist.checkpoint.crc import combine_pieces, crc32
 from mpidist.checkpoint.plan import assign
 from mpidist.comm import as_communicator
-from mpidist import h5
 from mpidist.kernels.backend import to_numpy
 
 __all__ = ["write_checkpoint", "collective_io"]
@@ -190,7 +190,7 @@ def _global_table(specs: list[dict], size: int) -> dict:
 def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
     """Create the file, write my ranges of every tensor, set the attributes: every rank at
     once through MPI-IO, or in turns where h5py has no MPI (_write_in_turns)."""
-    if not h5.parallel_hdf5():
+    if not h5.agreed_parallel_hdf5(c):
         return _write_in_turns(tmp, table, local, c, step=step, head=head,
                                rank_jsons=rank_jsons)
     import h5py

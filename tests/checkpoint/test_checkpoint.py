@@ -311,12 +311,22 @@ def test_training_hook_saves_resumes_and_stops_on_signal(comm, shared_dir):
             hook.close()
 
 
-def test_mpio_switch_takes_only_0_or_1(monkeypatch):
-    from mpidist.h5 import parallel_hdf5
-    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "0")
-    assert parallel_hdf5() is False
+def test_mpio_switch_is_agreed_by_every_rank(comm, shared_dir, monkeypatch):
+    """MPIDIST_HDF5_MPIO takes 0 or 1; set on one rank only, every rank takes the path
+    without MPI-IO (no rank waits in a collective open the others skip); a bad value on
+    one rank raises on all."""
+    from mpidist.h5 import agreed_parallel_hdf5, parallel_hdf5
     monkeypatch.setenv("MPIDIST_HDF5_MPIO", "1")
     assert parallel_hdf5() is h5py.get_config().mpi
-    monkeypatch.setenv("MPIDIST_HDF5_MPIO", "no")
-    with pytest.raises(ValueError, match="MPIDIST_HDF5_MPIO must be 0 or 1"):
-        parallel_hdf5()
+    if comm.rank == 0:
+        monkeypatch.setenv("MPIDIST_HDF5_MPIO", "0")
+    assert agreed_parallel_hdf5(comm) is False
+    path = os.path.join(shared_dir, "mixed.h5")
+    write_checkpoint(path, my_pieces(global_tensors(), comm.rank, comm.size), step=1, comm=comm)
+    with open_checkpoint(path, comm=comm) as src:
+        assert src.read_full("params/fc1.weight").tobytes() == \
+            global_tensors()["params/fc1.weight"].tobytes()
+    if comm.rank == comm.size - 1:
+        monkeypatch.setenv("MPIDIST_HDF5_MPIO", "no")
+    with pytest.raises(ValueError, match="MPIDIST_HDF5_MPIO must be 0 or 1, got 'no'"):
+        agreed_parallel_hdf5(comm)
