@@ -28,3 +28,21 @@ def test_cupy_allreduce(comm, algorithm, staged, monkeypatch):
     assert isinstance(shard, cp.ndarray) and bool((shard == comm.size).all()) and shard.size == cnt
     full = allgather(shard, comm=comm)
     assert isinstance(full, cp.ndarray) and full.size == n and bool((full == comm.size).all())
+
+
+@pytest.mark.gpu
+def test_cupy_out_of_place_and_fused_buckets(comm):
+    """out= on the device (the input left as it was), and a model's gradients as CuPy
+    arrays fused into buckets by allreduce_async."""
+    import cupy as cp
+    from mpidist.collectives import allreduce_async
+    n = 1001
+    x = cp.arange(n, dtype=cp.float32) + comm.rank
+    out = cp.empty_like(x)
+    assert allreduce(x, out=out, algorithm="ring", comm=comm) is out
+    assert float(x[0]) == comm.rank
+    assert np.allclose(cp.asnumpy(out), np.arange(n) * comm.size + sum(range(comm.size)))
+    grads = [cp.full(k, comm.rank + 1, cp.float32) for k in (3, 1000, 70_000)]
+    done = allreduce_async(grads, algorithm="ring", bucket_bytes=4096, comm=comm).wait()
+    total = sum(range(1, comm.size + 1))
+    assert all(isinstance(g, cp.ndarray) and bool((g == total).all()) for g in done)
