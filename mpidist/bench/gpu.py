@@ -72,7 +72,7 @@ def bandwidth(cp, numel: int, reps: int) -> dict:
 
 
 def optimizers(cp, numel: int, tensors: int, reps: int, triad_GBps: float | None) -> dict:
-    from mpidist.bench.optim import BYTES, CONFIGS, bench_layout
+    from mpidist.bench.optim import BYTES, CONFIGS, bench_layout, torch_optimizers
     from mpidist.optim import build_optimizer
     layout = bench_layout(numel, tensors)
     g = cp.random.standard_normal(numel, dtype=cp.float32)
@@ -92,13 +92,7 @@ def optimizers(cp, numel: int, tensors: int, reps: int, triad_GBps: float | None
         params = [torch.randn(s.size, device="cuda") for s in layout]
         for q in params:
             q.grad = torch.randn_like(q)
-        for label, make, name in (
-                ("torch AdamW(fused=True)",
-                 lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, fused=True),
-                 "adamw"),
-                ("torch SGD(momentum, foreach=True)",
-                 lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4,
-                                         foreach=True), "sgd")):
+        for label, name, make in torch_optimizers(torch, params):
             opt = make()
             t = _timed(cp, lambda: (opt.step(), torch.cuda.synchronize()), reps)
             rows[label] = {"ms": t * 1e3, "bytes": BYTES[name],

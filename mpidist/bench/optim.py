@@ -32,7 +32,7 @@ import time
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["main", "bench_layout", "BYTES"]
+__all__ = ["main", "bench_layout", "torch_optimizers", "BYTES"]
 
 # bytes each step's kernel passes read + write per float32 element
 BYTES = {
@@ -127,6 +127,16 @@ def _numpy_step(name, h, layout, p, g, st, t, starts, sizes, decay):
         p -= np.float32(lr) * np.repeat(trust, sizes) * r
 
 
+def torch_optimizers(torch, params) -> list:
+    """PyTorch's fastest AdamW and momentum SGD over params, with CONFIGS' hyperparameters:
+    (label, the CONFIGS name it compares with, a function that builds it)."""
+    return [("torch AdamW(fused=True)", "adamw",
+             lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, fused=True)),
+            ("torch SGD(momentum, foreach=True)", "sgd",
+             lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4,
+                                     foreach=True))]
+
+
 def _torch_rows(layout, numel, reps):
     try:
         import torch
@@ -137,12 +147,7 @@ def _torch_rows(layout, numel, reps):
     for q in params:
         q.grad = torch.randn_like(q)
     rows = {}
-    for label, make in (
-            ("torch AdamW(fused=True)",
-             lambda: torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, fused=True)),
-            ("torch SGD(momentum, foreach=True)",
-             lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4,
-                                     foreach=True))):
+    for label, _, make in torch_optimizers(torch, params):
         try:
             opt = make()
             opt.step()

@@ -206,12 +206,7 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
         err = exc
     fmt.agree(c, err)
     try:
-        group = f.create_group(fmt.TENSORS)
-        dsets = {}
-        for key, t in table.items():          # collective: same order on every rank
-            dsets[key] = group.create_dataset(key, shape=t["shape"],
-                                              dtype=fmt.storage_dtype(t["dtype"]),
-                                              fill_time="never")
+        dsets = _create_datasets(f, table)    # collective: same order on every rank
         my_crcs = []
         for key, t in table.items():
             if prod(t["shape"]) == 0:             # no storage to write (same on all ranks)
@@ -234,6 +229,14 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
     fmt.agree(c, err)
 
 
+def _create_datasets(f, table) -> dict:
+    """key -> the dataset of every tensor in table, created in f's tensors group."""
+    group = f.create_group(fmt.TENSORS)
+    return {key: group.create_dataset(key, shape=t["shape"], dtype=fmt.storage_dtype(t["dtype"]),
+                                      fill_time="never")
+            for key, t in table.items()}
+
+
 def _write_in_turns(tmp, table, local, c, *, step, head, rank_jsons):
     """The same file without MPI-IO: rank 0 creates the datasets, then each rank in turn
     opens the file alone and writes its ranges, then rank 0 sets the attributes. As many
@@ -250,12 +253,6 @@ def _write_in_turns(tmp, table, local, c, *, step, head, rank_jsons):
                 err = exc
         fmt.agree(c, err)
 
-    def create(f):
-        group = f.create_group(fmt.TENSORS)
-        for key, t in table.items():
-            group.create_dataset(key, shape=t["shape"], dtype=fmt.storage_dtype(t["dtype"]),
-                                 fill_time="never")
-
     my_crcs = []
 
     def write_mine(f):
@@ -264,7 +261,7 @@ def _write_in_turns(tmp, table, local, c, *, step, head, rank_jsons):
                 my_crcs.extend(_write_tensor(f[fmt.TENSORS][key], key, t, local.get(key),
                                              c.rank, None))
 
-    on_rank(0, "w", create)
+    on_rank(0, "w", lambda f: _create_datasets(f, table))
     for rank in range(c.size):
         on_rank(rank, "r+", write_mine)
     crcs = _combine(c.comm.allgather(my_crcs), table)
