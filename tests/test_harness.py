@@ -114,3 +114,23 @@ def _cmdline(pid: str) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_without_ssh_open_mpi_launches_locally(tmp_path, monkeypatch):
+    """Open MPI 4 refuses to start even local ranks where no ssh or rsh is on PATH
+    (containers): there the launcher picks its isolated (local) launcher, and ranks start."""
+    if launcher.mpi_vendor() != "openmpi":
+        pytest.skip("the launcher setting is Open MPI's")
+    bin_dir = tmp_path / "bin"                # Open MPI's programs, and no ssh or rsh
+    bin_dir.mkdir()
+    for name in ("mpiexec", "mpirun", "orterun", "orted"):
+        if shutil.which(name):
+            (bin_dir / name).symlink_to(shutil.which(name))
+    base = {k: v for k, v in launcher.without_job_variables(os.environ).items()
+            if k != "OMPI_MCA_plm"}
+    base["PATH"] = str(bin_dir)
+    monkeypatch.setenv("PATH", str(bin_dir))     # what the launcher's own lookups see
+    assert launcher.mpi_env(2, base)["OMPI_MCA_plm"] == "isolated"
+    proc = launcher.run(2, [sys.executable, "-c", "print('up')"], timeout=60, env=base,
+                        capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.count("up") == 2, proc.stderr
