@@ -24,6 +24,7 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run
 
 _PARTS = {"ring": ring, "shm": shm, "native": native}
 _WIDE, _WIDE_SHARD = 90, 91     # scratch slots of the float32 copies of half precision data
+_STAGE_IN, _STAGE_OUT = 92, 93  # pinned host slots of CuPy data staged for a host-only MPI
 
 
 def _flat(x, what: str):
@@ -59,15 +60,27 @@ def _overlap(a, b) -> bool:
     return np.shares_memory(a, b)
 
 
+def _on_host(c, x, slot: int, copy: bool = True):
+    """The buffer MPI works on for x: x itself (host data, or device data for a CUDA-aware
+    MPI once the stream is synchronised), else pinned host scratch memory, reused from call
+    to call, holding a copy of x (uninitialised when not `copy`: an output)."""
+    if not is_cupy(x) or c.cuda_aware:
+        return c.to_mpi(x)
+    host = scratch(c, slot, x.size, x.dtype, pinned=True)
+    if copy:
+        x.get(out=host)                  # after the current stream's work, then waits
+    return host
+
+
 def _to_acc(c, x):
     """(buffer for MPI, widened?) for x: the float32 copy of half data (in scratch memory,
-    reused from call to call), or c.to_mpi(x)."""
+    reused from call to call), or x's buffer for MPI."""
     acc = accumulator_dtype(x.dtype)
     if acc != x.dtype:
         wide = scratch(c, _WIDE, x.size, acc, like=x)
         widen(x, wide)
-        return c.to_mpi(wide), True
-    return c.to_mpi(x), False
+        return _on_host(c, wide, _STAGE_IN), True
+    return _on_host(c, x, _STAGE_IN), False
 
 
 def _store(src, dst, widened: bool) -> None:
@@ -147,7 +160,7 @@ def run_allreduce(c, x, y, opx, name: str) -> None:
         fn(c, sbuf, sbuf, opx)
         _store(sbuf, x, widened)
     else:
-        rbuf = sbuf if widened else c.to_mpi(y)
+        rbuf = sbuf if widened else _on_host(c, y, _STAGE_OUT, copy=False)
         fn(c, sbuf, rbuf, opx)
         _store(rbuf, y, widened)
 
@@ -211,7 +224,7 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
     elif in_place and part is native:                  # MPI's reduce-scatter can not alias
         rbuf = get_array_module(sbuf).empty(count, dtype=sbuf.dtype)
     else:
-        rbuf = c.to_mpi(y)
+        rbuf = _on_host(c, y, _STAGE_OUT, copy=False)
     part.reduce_scatter(c, sbuf, rbuf, opx, finalize_n=c.size)
     _store(rbuf, y, widened)
     return result
@@ -258,8 +271,8 @@ def allgather(shard, *, comm=None, out=None, algorithm="auto"):
     if n == 0:
         return out
     raw = np.dtype(f"u{s.dtype.itemsize}")            # no arithmetic: move the bits
-    sb = c.to_mpi(s).view(raw)
-    ob = c.to_mpi(yo)
+    sb = _on_host(c, s, _STAGE_IN).view(raw)
+    ob = _on_host(c, yo, _STAGE_OUT, copy=False)
     part.allgather(c, sb, ob.view(raw))
     c.from_mpi(ob, yo)
     return out

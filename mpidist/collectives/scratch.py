@@ -18,26 +18,34 @@ _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def scratch(comm, slot: int, count: int, dtype, like=None):
-    """A 1-D array of `count` elements for (comm, slot), on the device of `like`.
+def scratch(comm, slot: int, count: int, dtype, like=None, pinned: bool = False):
+    """A 1-D array of `count` elements for (comm, slot), on the device of `like`, or a
+    NumPy array in page-locked host memory when `pinned` (CuPy's staging buffers: copies
+    to and from the GPU run at full PCIe/NVLink speed, with no page faults).
 
     The contents are undefined; the memory stays cached (grown when a call needs more)
     until `release(comm)`. A typed view of it is cached per dtype, so a steady call costs
     two dictionary lookups and one slice.
     """
-    xp = np if like is None or type(like) is np.ndarray else get_array_module(like)
+    if pinned:
+        import cupyx
+        where, empty = "pinned", cupyx.empty_pinned
+    elif like is None or type(like) is np.ndarray:
+        where, empty = "host", np.empty
+    else:
+        where, empty = "device", get_array_module(like).empty
     per_comm = _buffers.get(comm)
     if per_comm is None:
         with _lock:                      # the async worker thread allocates for its own comm
             per_comm = _buffers.setdefault(comm, {})
-    key = (slot, xp is np)
+    key = (slot, where)
     entry = per_comm.get(key)            # (raw bytes, {dtype: typed view of all of them})
     typed = None if entry is None else entry[1].get(dtype)
     if typed is not None and typed.size >= count:
         return typed[:count]
     dt = np.dtype(dtype)
     if entry is None or entry[0].nbytes < count * dt.itemsize:
-        entry = (xp.empty(max(count * dt.itemsize, 64), dtype=np.uint8), {})
+        entry = (empty(max(count * dt.itemsize, 64), dtype=np.uint8), {})
         per_comm[key] = entry
     raw = entry[0]
     typed = raw[:raw.nbytes // dt.itemsize * dt.itemsize].view(dt)

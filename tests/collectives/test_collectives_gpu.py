@@ -46,3 +46,27 @@ def test_cupy_out_of_place_and_fused_buckets(comm):
     done = allreduce_async(grads, algorithm="ring", bucket_bytes=4096, comm=comm).wait()
     total = sum(range(1, comm.size + 1))
     assert all(isinstance(g, cp.ndarray) and bool((g == total).all()) for g in done)
+
+
+@pytest.mark.gpu
+def test_staging_buffers_reused_across_sizes_and_dtypes(comm, monkeypatch):
+    """Staged through the host, the pinned buffers are reused from call to call: calls
+    that grow, shrink and change dtype each get exactly their own result, in place, out of
+    place, and through reduce_scatter and allgather."""
+    import cupy as cp
+    monkeypatch.setenv("MPIDIST_CUDA_AWARE", "0")
+    p, r = comm.size, comm.rank
+    for n, dt in ((5000, cp.int32), (17, cp.float64), (100_003, cp.int64), (3, cp.int32),
+                  (1500, cp.float16)):
+        x = cp.arange(n, dtype=dt) + r
+        expect = np.arange(n) * p + sum(range(p))
+        out = cp.empty_like(x)
+        allreduce(x, out=out, algorithm="ring", comm=comm)
+        assert np.array_equal(cp.asnumpy(x), np.arange(n) + r)
+        assert np.allclose(cp.asnumpy(out), expect, rtol=1e-3)
+        assert np.allclose(cp.asnumpy(allreduce(x, algorithm="tree", comm=comm)), expect,
+                           rtol=1e-3)
+        off, cnt = chunk(n, r, p)
+        shard = reduce_scatter(cp.arange(n, dtype=dt) + r, comm=comm)
+        assert np.allclose(cp.asnumpy(shard), expect[off:off + cnt], rtol=1e-3)
+        assert np.allclose(cp.asnumpy(allgather(shard, comm=comm)), expect, rtol=1e-3)
