@@ -7,8 +7,10 @@ formula, two devices. Kernels are built on first use and cached, so importing th
 needs neither CuPy nor a GPU. Under NUMBA_ENABLE_CUDASIM=1 the kernels run in Numba's CUDA
 simulator on NumPy arrays (tiny sizes: the CPU test suite covers them that way).
 
-Reductions and top-k selection use CuPy's own kernels (a ReductionKernel for max |x|,
-sort, nonzero), which are faster than anything hand-written here.
+Reductions and the top-k selection passes use CuPy's own kernels (a ReductionKernel for
+max |x|, an ElementwiseKernel for the |x| >= threshold mask, nonzero, cumsum), which are
+faster than anything hand-written here; written over the array module of the data, they
+run on NumPy arrays under the simulator too.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from mpidist.kernels.backend import is_cupy
 
 __all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "fp16_decode",
            "bf16_decode", "sign_encode",
-           "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "randomk_indices"]
+           "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "randomk_indices", "sample_abs",
+           "collect_above", "select_k"]
 
 _TPB = 128
 
@@ -144,11 +147,17 @@ def _kernels() -> SimpleNamespace:
             hi = ((b + 1) * n) // k
             out[b] = lo + min(hi - lo - 1, np.int64(uniform(seed, b) * (hi - lo)))
 
+    @cuda.jit
+    def sample(x, seed, out):
+        j = cuda.grid(1)
+        if j < out.size:
+            out[j] = abs(x[min(x.size - 1, np.int64(uniform(seed, j) * x.size))])
+
     return SimpleNamespace(fp16=fp16, bf16=bf16, fp16_widen=fp16_widen, bf16_widen=bf16_widen,
                            chunk_mean_abs=chunk_mean_abs,
                            sign_pack=sign_pack, sign_unpack_add=sign_unpack_add,
                            bucket_max_abs=bucket_max_abs, qsgd_pack=qsgd_pack,
-                           qsgd_unpack_add=qsgd_unpack_add, randomk=randomk)
+                           qsgd_unpack_add=qsgd_unpack_add, randomk=randomk, sample=sample)
 
 
 @functools.lru_cache(maxsize=None)
@@ -221,3 +230,43 @@ def qsgd_decode_add(codes, norms, levels, bucket, width, out) -> None:
 def randomk_indices(n, k, seed, out) -> None:
     if k:
         _kernels().randomk[_blocks(k), _TPB](int(n), int(k), int(seed), out)
+
+
+def sample_abs(x, seed, out) -> None:
+    """|x| at out.size pseudo-random positions: the CPU kernel's positions, from (seed, j)."""
+    if out.size:
+        _kernels().sample[_blocks(out.size), _TPB](x, int(seed), out)
+
+
+@functools.lru_cache(maxsize=None)
+def _abs_at_least():
+    import cupy as cp
+    return cp.ElementwiseKernel("T x, T thr", "bool m", "m = (x < 0 ? -x : x) >= thr",
+                                "mpidist_abs_at_least")
+
+
+def collect_above(x, thr, idx) -> int:
+    """Indices i (ascending) with |x[i]| >= thr into idx; returns how many there are
+    (may exceed idx.size: then idx holds the first idx.size of them)."""
+    if is_cupy(x):
+        mask = _abs_at_least()(x, x.dtype.type(thr))          # one pass, no |x| temporary
+    else:
+        mask = np.abs(x) >= thr
+    found = mask.nonzero()[0]
+    m = min(found.size, idx.size)
+    idx[:m] = found[:m]
+    return int(found.size)
+
+
+def select_k(x, cand, kth, k, idx, vals) -> int:
+    """The k largest |x| among candidates, in ascending index order: every |x| > kth, then
+    the first ones equal to kth until k are taken (the CPU kernel's choice among ties)."""
+    a = abs(x[cand])
+    above = a > kth
+    tie = a == kth
+    keep = above | (tie & (tie.cumsum() <= k - int(above.sum())))
+    chosen = cand[keep]
+    c = chosen.size
+    idx[:c] = chosen
+    vals[:c] = x[chosen]
+    return int(c)

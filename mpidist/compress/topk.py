@@ -3,7 +3,7 @@
 Two ways to find them, both one pass over the gradient after a small random sample:
 - "exact": from the sample, a threshold a bit below the k-th largest |x|; collect the
   ~1.3k candidates above it; select exactly k among them (falls back to a full
-  argpartition when the sample misjudged). The same set as argpartition, ties aside.
+  selection when the sample misjudged). Ties at the k-th |x| go to the lowest indices.
 - "sampled": the sample's estimate of the k-th largest |x| is the threshold; whatever lies
   above is sent (about k; at most 2k, else the exact path runs). Cheaper, size varies.
 
@@ -31,57 +31,44 @@ def _index_dtype(n: int):
     return np.uint32 if n <= 2**32 else np.int64
 
 
-def _topk_cpu(x, k: int, method: str, seed: int):
-    """(indices ascending, values) of k largest |x| (or ~k for method "sampled")."""
-    from mpidist.kernels import compress_cpu as K
+def _topk(x, k: int, method: str, seed: int):
+    """(indices ascending, values) of k largest |x| (or ~k for method "sampled"); the same
+    passes and the same picks on either device (the kernels' sample positions and tie
+    rule are shared), so a CuPy gradient sends what its NumPy copy would."""
+    K, xp = kernels_for(x), get_array_module(x)
     n = x.shape[0]
     idt = _index_dtype(n)
     S = min(n, max(4096, int(_SAMPLE_PER_KEPT * n / max(k, 1))))
     if 2 * S < n:
         # 1. threshold from a sample: expected q sample points above the k-th largest
-        sample = np.empty(S, dtype=np.float32)
+        sample = xp.empty(S, dtype=np.float32)
         K.sample_abs(x, seed, sample)
         q = k * S / n
         above = math.ceil(q) if method == "sampled" else math.ceil(1.3 * q + 3 * math.sqrt(q) + 1)
         above = min(S, max(1, above))
-        thr = np.partition(sample, S - above)[S - above]
+        thr = xp.partition(sample, S - above)[S - above]
         # 2. one pass: the candidates above the threshold
         cap = 2 * k if method == "sampled" else 3 * k + 1024
-        cand = np.empty(cap, dtype=idt)
+        cand = xp.empty(cap, dtype=idt)
         c = K.collect_above(x, thr, cand)
         if method == "sampled" and 0 < c <= cap:
             idx = cand[:c]
             return idx, x[idx]
         if k <= c <= cap:
             # 3. exactly k among the candidates, kept in index order
-            cand = cand[:c]
-            a = np.abs(x[cand])
-            kth = np.partition(a, c - k)[c - k]
-            idx = np.empty(k, dtype=idt)
-            vals = np.empty(k, dtype=np.float32)
-            K.select_k(x, cand, kth, k, idx, vals)
-            return idx, vals
-    # fallback (small n, or the sample misjudged): a full selection
-    idx = np.sort(np.argpartition(np.abs(x), n - k)[n - k:]).astype(idt)
-    return idx, x[idx]
+            return _select(K, xp, x, cand[:c], k, idt)
+    # fallback (small n, or the sample misjudged): a selection among all n
+    return _select(K, xp, x, xp.arange(n, dtype=idt), k, idt)
 
 
-def _topk_gpu(x, k: int, method: str, seed: int):
-    """CuPy: threshold from a sample (sampled) or a full partition (exact); indices sorted."""
-    import cupy as cp
-    n = x.shape[0]
-    a = cp.abs(x)
-    if method == "sampled":
-        S = min(n, max(4096, int(_SAMPLE_PER_KEPT * n / max(k, 1))))
-        pos = cp.random.default_rng(seed).integers(0, n, S)
-        sample = cp.sort(a[pos])
-        thr = sample[S - min(S, max(1, math.ceil(k * S / n)))]
-        idx = cp.nonzero(a >= thr)[0]
-        if 0 < idx.size <= 2 * k:
-            idx = idx.astype(_index_dtype(n))
-            return idx, x[idx]
-    idx = cp.sort(cp.argpartition(a, n - k)[n - k:]).astype(_index_dtype(n))
-    return idx, x[idx]
+def _select(K, xp, x, cand, k: int, idt):
+    """The k largest |x| among the candidates (ascending), ties to the lowest indices."""
+    a = xp.abs(x[cand])
+    kth = xp.partition(a, a.size - k)[a.size - k]
+    idx = xp.empty(k, dtype=idt)
+    vals = xp.empty(k, dtype=np.float32)
+    K.select_k(x, cand, kth, k, idx, vals)
+    return idx, vals
 
 
 class TopK(Sparsifier):
@@ -110,8 +97,7 @@ class TopK(Sparsifier):
         if k == 0:
             return (xp.empty(0, np.float32), xp.empty(0, _index_dtype(n))), {"n": n}
         seed = step_seed(self.seed, self.stream, self.step)
-        find = _topk_gpu if xp is not np else _topk_cpu
-        idx, vals = find(x, k, self.method, seed)
+        idx, vals = _topk(x, k, self.method, seed)
         return (vals, idx), {"n": n}
 
     def decode_add(self, payload, ctx, out) -> None:

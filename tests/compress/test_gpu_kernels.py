@@ -53,6 +53,17 @@ SIM_SCRIPT = textwrap.dedent("""
              width, outs=[np.empty(n, np.float32)])
     same("randomk", C.randomk_indices, G.randomk_indices, n, 17, 99,
          outs=[np.empty(17, np.int64)])
+    same("sample", C.sample_abs, G.sample_abs, x, 99, outs=[np.empty(31, np.float32)])
+    thr = np.float32(np.sort(np.abs(x))[-40])
+    for cap in (64, 10):                                    # room for all 40, and not
+        same("collect", lambda *a: a[-1].__setitem__(0, C.collect_above(*a[:-1])),
+             lambda *a: a[-1].__setitem__(0, G.collect_above(*a[:-1])), x, thr,
+             np.empty(cap, np.uint32), outs=[np.empty(1, np.int64)])
+    xt = np.round(x * 2) / 2                                # ties at the k-th |x|
+    cand = np.arange(n, dtype=np.uint32)
+    kth = np.float32(np.sort(np.abs(xt))[-25])
+    same("select", C.select_k, G.select_k, xt, cand, kth, 25,
+         outs=[np.empty(25, np.uint32), np.empty(25, np.float32)])
     assert G.absmax_bits(b) == C.absmax_bits(b) and G.all_finite(b)
     x[3] = np.nan
     assert not G.all_finite(x.view(np.uint32))
@@ -103,3 +114,29 @@ def test_compressed_allreduce_on_cupy_matches_numpy(comm, name, opts):
     out_gpu = b(cp.asarray(g), LAYOUT)
     assert isinstance(out_gpu, cp.ndarray) and a.bytes_sent == b.bytes_sent
     assert np.allclose(out_cpu, out_gpu.get(), rtol=1e-5, atol=1e-5 * np.abs(out_cpu).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["exact", "sampled"])
+def test_cupy_topk_sends_what_numpy_sends(method):
+    """Above the size where the sample threshold runs (and with ties at the k-th |x|, and
+    a sample that misjudges so the fallback runs), a CuPy gradient sends bit for bit what
+    its NumPy copy sends."""
+    import cupy as cp
+    from mpidist.compress.topk import TopK
+    rng = np.random.default_rng(5)
+    n = 1 << 20
+    normal = rng.standard_normal(n).astype(np.float32)
+    tied = np.round(normal * 4) / 4
+    spiky = np.zeros(n, np.float32)
+    spiky[rng.choice(n, 3000, replace=False)] = rng.standard_normal(3000)
+    layout = Layout([("w", (n,))])
+    for x in (normal, tied, spiky):
+        cpu = TopK(0.01, method=method, error_feedback=False)
+        gpu = TopK(0.01, method=method, error_feedback=False)
+        (vc, ic), _ = cpu.encode(x, layout)
+        (vg, ig), _ = gpu.encode(cp.asarray(x), layout)
+        assert np.array_equal(ic, ig.get()) and np.array_equal(vc, vg.get())
+        if method == "exact":
+            k = cpu.k_of(n)
+            assert ic.size == k and np.abs(vc).min() >= np.sort(np.abs(x))[-k]
