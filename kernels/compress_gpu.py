@@ -248,8 +248,9 @@ def _abs_at_least():
 def collect_above(x, thr, idx) -> int:
     """Indices i (ascending) with |x[i]| >= thr into idx; returns how many there are
     (may exceed idx.size: then idx holds the first idx.size of them)."""
-    if is_cupy(x):
-        mask = _abs_at_least()(x, x.dtype.type(thr))          # one pass, no |x| temporary
+    if is_cupy(x):                                # one pass, no |x| temporary
+        import cupy as cp
+        mask = _abs_at_least()(x, cp.asarray(thr, dtype=x.dtype))
     else:
         mask = np.abs(x) >= thr
     found = mask.nonzero()[0]
