@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 __all__ = ["get_array_module", "is_cupy", "kernels_for", "cupy_available", "gpu_available",
-           "to_numpy", "synchronize", "cupy"]
+           "to_numpy", "synchronize", "cupy", "handoff", "take_over"]
 
 
 def is_cupy(x) -> bool:
@@ -74,3 +74,24 @@ def synchronize(x=None) -> None:
     if x is None or is_cupy(x):
         if "cupy" in sys.modules:
             sys.modules["cupy"].cuda.get_current_stream().synchronize()
+
+
+def handoff(arrays):
+    """What another thread needs to work on these arrays, made by this one: (the CuPy
+    arrays' device, an event recorded on this thread's current stream after the work that
+    produced them); None for host data. CUDA's current device and stream are per thread."""
+    for a in arrays:
+        if is_cupy(a):
+            with a.device:
+                return a.device.id, sys.modules["cupy"].cuda.get_current_stream().record()
+    return None
+
+
+def take_over(ready) -> None:
+    """In the receiving thread: make handoff()'s device current and order this thread's
+    stream after its event (no host wait)."""
+    if ready is not None:
+        cp = sys.modules["cupy"]
+        device, event = ready
+        cp.cuda.Device(device).use()
+        cp.cuda.get_current_stream().wait_event(event)

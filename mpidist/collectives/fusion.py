@@ -9,7 +9,9 @@ the same on every rank. `h.wait()` returns the result, so a training loop can la
 bucket as soon as backward has produced it and keep computing.
 
 Needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default); with a lower thread level the
-reduction runs inside allreduce_async and the handle is already complete.
+reduction runs inside allreduce_async and the handle is already complete. For CuPy data the
+worker takes the caller's GPU and waits (on the device, not the host) for the work queued
+on the caller's stream before the call: CUDA's current device and stream are per thread.
 Arrays handed to allreduce_async must not be touched until wait() returns.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from mpidist.collectives.core import (_check_out, _flat, _read_only, prepare_all
 from mpidist.collectives.ops import accumulator_dtype, get_op
 from mpidist.collectives.registry import get_algorithm
 from mpidist.comm import as_communicator, on_free
-from mpidist.kernels.backend import get_array_module
+from mpidist.kernels.backend import get_array_module, handoff, take_over
 
 __all__ = ["Handle", "allreduce_async", "buckets", "DEFAULT_BUCKET_BYTES"]
 
@@ -56,7 +58,9 @@ class _Worker:
         self.comm = comm.split(_ASYNC_COLOR, comm.rank)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-allreduce")
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args, arrays=()) -> Future:
+        """Run fn(worker's comm, *args) in order; `arrays`: the CuPy data it works on, whose
+        device and pending stream work the worker thread takes over (handoff)."""
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             fut: Future = Future()
             try:
@@ -64,7 +68,12 @@ class _Worker:
             except BaseException as exc:   # delivered by wait(), like a worker failure
                 fut.set_exception(exc)
             return fut
-        return self.pool.submit(fn, self.comm, *args)
+        return self.pool.submit(_in_worker, handoff(arrays), fn, self.comm, *args)
+
+
+def _in_worker(ready, fn, *args):
+    take_over(ready)
+    return fn(*args)
 
 
 _workers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -134,7 +143,7 @@ def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
     c = as_communicator(comm)
     if not isinstance(buf, (list, tuple)):
         c, x, y, opx, name = prepare_allreduce(c, buf, op, algorithm, out, "allreduce_async")
-        fut = _worker(c).submit(run_allreduce, x, y, opx, name)
+        fut = _worker(c).submit(run_allreduce, x, y, opx, name, arrays=(x, y))
         return Handle([fut], buf if out is None else out)
     return _allreduce_fused(c, list(buf), op, algorithm, out, bucket_bytes)
 
@@ -170,7 +179,8 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
             i = g[0]
             dest = flat[i] if out is None else dests[i].reshape(-1)
             name = algorithm if algorithm != "auto" else _choose(c, flat[i], opx)
-            futures.append(worker.submit(run_allreduce, flat[i], dest, opx, name))
+            futures.append(worker.submit(run_allreduce, flat[i], dest, opx, name,
+                                         arrays=(flat[i], dest)))
             continue
         packed = get_array_module(flat[g[0]]).concatenate([flat[i] for i in g])
         ends = [0]
@@ -178,5 +188,5 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
             ends.append(ends[-1] + flat[i].size)
         name = algorithm if algorithm != "auto" else _choose(c, packed, opx)
         futures.append(worker.submit(_fused, packed, opx, name, [dests[i] for i in g],
-                                     list(zip(ends[:-1], ends[1:]))))
+                                     list(zip(ends[:-1], ends[1:])), arrays=(packed,)))
     return Handle(futures, arrays if out is None else list(out))

@@ -70,3 +70,39 @@ def test_staging_buffers_reused_across_sizes_and_dtypes(comm, monkeypatch):
         shard = reduce_scatter(cp.arange(n, dtype=dt) + r, comm=comm)
         assert np.allclose(cp.asnumpy(shard), expect[off:off + cnt], rtol=1e-3)
         assert np.allclose(cp.asnumpy(allgather(shard, comm=comm)), expect, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi(min_size=2)
+def test_async_waits_for_work_queued_on_the_callers_stream(comm):
+    """allreduce_async of data still being computed on the caller's own non-blocking
+    stream: the worker thread's reduction is ordered after that work (an event), so it
+    reduces the finished values, not a copy taken halfway."""
+    import cupy as cp
+    from mpidist.collectives import allreduce_async
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cp.zeros(1 << 24, cp.float32)
+        for _ in range(100):                 # milliseconds of queued kernels
+            x += 1
+        handle = allreduce_async(x, algorithm="ring", comm=comm)
+    handle.wait()
+    stream.synchronize()
+    assert bool((x == 100 * comm.size).all())
+
+
+@pytest.mark.gpu
+def test_async_runs_on_the_devices_of_its_arrays(comm):
+    """The worker thread works on the GPU of the arrays it is given, not on device 0 (the
+    default of a new thread): float16 gradients on the last GPU, fused into one bucket
+    (packed, widened, scattered back on the worker) come back reduced on that GPU."""
+    import cupy as cp
+    from mpidist.collectives import allreduce_async
+    last = cp.cuda.runtime.getDeviceCount() - 1
+    if last < 1:
+        pytest.skip("needs 2 GPUs visible to each rank")
+    with cp.cuda.Device(last):
+        grads = [cp.full(k, comm.rank + 1, cp.float16) for k in (3, 1000)]
+        done = allreduce_async(grads, bucket_bytes=1 << 20, comm=comm).wait()
+        total = sum(range(1, comm.size + 1))
+        assert all(g.device.id == last and bool((g == total).all()) for g in done)
