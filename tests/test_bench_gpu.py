@@ -40,3 +40,12 @@ def test_bench_gpu_reports_every_phase(tmp_path):
     assert {label for label, _, _ in COMPRESSORS} <= set(report["compress"]["rows"])
     rows = report["allreduce"]["rows"].values()
     assert len(rows) == 2 * 4 and all(r["cupy_ok"] and r["numpy_ok"] for r in rows)
+
+
+def test_bad_sizes_are_a_usage_error(capsys):
+    """A size that does not parse stops the bench before it starts, with argparse's message
+    (no traceback), on any machine."""
+    from mpidist.bench.gpu import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--sizes", "4K,4Q"])
+    assert exc.value.code == 2 and "not a size: '4Q'" in capsys.readouterr().err

@@ -75,10 +75,10 @@ def textbook_ring(comm, x) -> None:
 
 def _parse(argv):
     from mpidist.collectives import ALGORITHMS
-    from mpidist.collectives.select import parse_size
+    from mpidist.collectives.select import parse_sizes
     p = argparse.ArgumentParser(prog="mpidist bench allreduce",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default=DEFAULT_SIZES,
+    p.add_argument("--sizes", default=DEFAULT_SIZES, type=parse_sizes,
                    help=f"message sizes in bytes (K/M/G suffixes; default {DEFAULT_SIZES})")
     every = ["native", "textbook", *(a for a in ALGORITHMS if a != "native"), "auto"]
     p.add_argument("--algorithms", default=",".join(every),
@@ -103,10 +103,6 @@ def _parse(argv):
     p.add_argument("--out", default=os.path.join("results", "bench", "allreduce"),
                    help="output directory")
     args = p.parse_args(argv)
-    try:
-        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    except argparse.ArgumentTypeError as exc:
-        p.error(str(exc))
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in args.algorithms if a not in every]
     if bad:

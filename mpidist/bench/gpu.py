@@ -190,14 +190,15 @@ def _print(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpidist.collectives.select import parse_size
+    from mpidist.collectives.select import parse_sizes
     ap = argparse.ArgumentParser(prog="mpidist bench gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=64 * 2**20,
                     help="float32 elements of the optimizer and compressor phases (64M)")
     ap.add_argument("--tensors", type=int, default=100, help="tensors in the optimizer layout")
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions")
     ap.add_argument("--only", default=",".join(PHASES), help="phases to run (comma-separated)")
-    ap.add_argument("--sizes", default=ALLREDUCE_SIZES, help="allreduce message sizes in bytes")
+    ap.add_argument("--sizes", default=ALLREDUCE_SIZES, type=parse_sizes,
+                    help="allreduce message sizes in bytes (K/M/G suffixes)")
     ap.add_argument("--algorithms", default=ALLREDUCE_ALGORITHMS, help="allreduce algorithms")
     ap.add_argument("--out", default=os.path.join("results", "bench", "gpu"))
     args = ap.parse_args(argv)
@@ -206,10 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.numel < args.tensors or args.tensors < 2 or args.reps < 1:
         ap.error(f"--only takes {', '.join(PHASES)}; need numel >= tensors >= 2, reps >= 1"
                  + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
-    try:
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError as exc:
-        ap.error(str(exc))
 
     from mpidist.comm import Communicator, mpi_library
     from mpidist.kernels.backend import gpu_available
@@ -239,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if "compress" in phases:
             phase("compress", lambda: compressors(cp, args.numel, args.reps))
     if "allreduce" in phases:
-        phase("allreduce", lambda: allreduces(cp, comm, sizes, args.algorithms.split(","),
+        phase("allreduce", lambda: allreduces(cp, comm, args.sizes, args.algorithms.split(","),
                                               args.reps))
     if comm.rank == 0:
         _print(report)

@@ -14,7 +14,7 @@ import numpy as np
 from mpidist.collectives import autotune, costmodel
 from mpidist.comm import Communicator, as_communicator, mpi_library
 
-__all__ = ["choose", "explain", "main", "parse_size"]
+__all__ = ["choose", "explain", "main", "parse_size", "parse_sizes"]
 
 
 def choose(comm, nbytes: int, x=None, op=None) -> str:
@@ -63,6 +63,11 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512, 64K, 1M)") from None
 
 
+def parse_sizes(text: str) -> list[int]:
+    """'4K,1M,64M' -> bytes (an argparse type: a bad entry is a clean usage error)."""
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
 def format_size(n: int) -> str:
     for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= div and n % div == 0:
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     """`mpidist explain`: the cost model's choice per size, predicted vs measured."""
     ap = argparse.ArgumentParser(prog="mpidist explain", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="4K,64K,1M,16M",
-                    type=lambda s: [parse_size(x) for x in s.split(",") if x],
+                    type=parse_sizes,
                     help="message sizes in bytes, comma separated (default 4K,64K,1M,16M)")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
     ap.add_argument("--refit", action="store_true", help="probe again, ignoring the cache")
