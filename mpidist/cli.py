@@ -27,11 +27,10 @@ def info(argv: list[str] | None = None) -> int:
     import platform
     from mpi4py import MPI
     import mpidist
+    from mpidist.collectives import autotune, costmodel
     from mpidist.comm import Communicator, mpi_library
     from mpidist.h5 import parallel_hdf5
     from mpidist.kernels.backend import cupy_available, gpu_available
-
-    from mpidist.collectives import autotune, costmodel
 
     comm = Communicator(ranks_per_node=args.ranks_per_node)
     hosts = comm.comm.gather(MPI.Get_processor_name(), root=0)

@@ -21,7 +21,9 @@ def _sub(comm, nodes, per_node):
 @pytest.mark.parametrize("nodes,per_node", SHAPES)
 def test_hierarchical_on_simulated_nodes(comm, nodes, per_node):
     if nodes * per_node > comm.size:
-        pytest.skip(f"{nodes}x{per_node} needs {nodes * per_node} ranks")
+        pytest.skip(f"{nodes}x{per_node} needs {nodes * per_node} ranks, this run has "
+                    f"{comm.size} (the suite runs 1-5 ranks; test_collectives_launcher runs 2x3 "
+                    f"at 6)")
     sub = _sub(comm, nodes, per_node)
     bad = []
     if sub is not None:
