@@ -50,4 +50,12 @@ if [ "$(cat "$venv/.mpidist-src" 2>/dev/null)" != "$here" ]; then
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
   echo "$here" > "$venv/.mpidist-src"
 fi
+# 5. PyTorch for mpidist.torch and its tests, pinned: 2.13.0 is a CPU build (an unpinned torch
+#    pulls a CUDA build of several GB). MPIDIST_TORCH=0 skips it; mpidist itself never needs it.
+torch_pin=${MPIDIST_TORCH_VERSION:-2.13.0}
+if [ "${MPIDIST_TORCH:-1}" != 0 ] && \
+   [ "$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" != "$torch_pin" ]; then
+  log "installing torch==$torch_pin (CPU build) for mpidist.torch"
+  "$venv/bin/pip" install -q "torch==$torch_pin" >&2 || log "WARNING: torch==$torch_pin could not be installed; the torch tests will skip"
+fi
 echo "$venv"
