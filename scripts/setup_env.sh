@@ -23,6 +23,10 @@ py=${MPIDIST_PYTHON:-python3}
 key=$( (cat "$here/scripts/requirements.txt"; echo h5py-mpi; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
 root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
 venv=${MPIDIST_VENV:-$root/venv-$key}
+# one set-up at a time (concurrent runs would rebuild the same venv under each other)
+mkdir -p "$root"
+exec 9>"$root/.setup.lock"
+flock 9
 if [ ! -f "$venv/.complete" ]; then
   log "creating $venv (first run: about 3-4 minutes, h5py compiles against parallel HDF5)"
   rm -rf "$venv"
