@@ -247,6 +247,21 @@ class Communicator:
         raise RemoteError(f"failed on rank(s) {_ranges([r for r, _ in bad])}: {detail}")
 
     # ---------------------------------------------------------------- lifecycle
+    def communicators(self) -> list:
+        """Every MPI communicator this one holds, each once: its own, its cached
+        sub-communicators' and the node / inter-node ones (what fault tolerance revokes
+        when a rank dies, so that no survivor stays blocked on any of them)."""
+        found, todo, seen = [], [self], set()
+        while todo:
+            c = todo.pop()
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            found.append(c.comm)
+            todo += list(c._subcomms.values())
+            todo += [k for k in (getattr(c, "node_comm", None), getattr(c, "inter_comm", None)) if k is not None]
+        return found
+
     def free(self) -> None:
         """Free the private communicator, every cached sub-communicator and what the
         collectives hold for them (collective)."""
