@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 from mpi4py import MPI
 
-from mpidist.errors import MismatchError, RemoteError
+from mpidist.errors import MismatchError, RemoteError, format_ranks
 from mpidist.kernels.backend import is_cupy, synchronize
 
 __all__ = ["Communicator", "Grid", "default_communicator", "as_communicator", "on_free",
@@ -220,15 +220,16 @@ class Communicator:
     def all(self, flag: bool) -> bool:
         return bool(self.comm.allreduce(bool(flag), op=MPI.LAND))
 
-    def check_same(self, value, what: str) -> None:
-        """Collective: raise MismatchError on every rank unless all ranks pass equal values."""
+    def check_same(self, value, what: str, hint: str = "") -> None:
+        """Collective: raise MismatchError on every rank unless all ranks pass equal values
+        (the message names the groups of ranks and their values, then the hint)."""
         values = self.comm.allgather(value)
         groups: dict = {}
         for r, v in enumerate(values):
             groups.setdefault(repr(v), []).append(r)
         if len(groups) > 1:
-            detail = "; ".join(f"ranks {_ranges(rs)}: {v}" for v, rs in groups.items())
-            raise MismatchError(f"{what} differs across ranks ({detail})")
+            detail = "; ".join(f"ranks {format_ranks(rs)}: {v}" for v, rs in groups.items())
+            raise MismatchError(f"{what} differs across ranks ({detail})" + (f"; {hint}" if hint else ""))
 
     def raise_if_any(self, exc: BaseException | None) -> None:
         """Collective: if any rank passes an exception, raise on every rank.
@@ -244,7 +245,7 @@ class Communicator:
         if exc is not None:
             raise exc
         detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
-        raise RemoteError(f"failed on rank(s) {_ranges([r for r, _ in bad])}: {detail}")
+        raise RemoteError(f"failed on rank(s) {format_ranks([r for r, _ in bad])}: {detail}")
 
     # ---------------------------------------------------------------- lifecycle
     def communicators(self) -> list:
@@ -286,18 +287,6 @@ class Communicator:
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, size={self.size}, node={self.node}/"
                 f"{self.num_nodes}, local_rank={self.local_rank}/{self.local_size})")
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
 
 
 _default: Communicator | None = None

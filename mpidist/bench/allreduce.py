@@ -150,12 +150,13 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed:
 def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:
     """Seconds per call, slowest rank, of auto's decision lookup (select.choose) and of
     the whole argument check with "auto" and with "native" (prepare_allreduce)."""
+    from mpidist.collectives import flight
     from mpidist.collectives.core import prepare_allreduce
     from mpidist.collectives.select import choose
     x = np.ones(max(1, nbytes // 4), np.float32)
     probes = {"choose": lambda: choose(comm, nbytes),
-              "prepare_auto": lambda: prepare_allreduce(comm, x, "sum", "auto", None),
-              "prepare_native": lambda: prepare_allreduce(comm, x, "sum", "native", None)}
+              "prepare_auto": lambda: flight.end(prepare_allreduce(comm, x, "sum", "auto", None)[-1]),
+              "prepare_native": lambda: flight.end(prepare_allreduce(comm, x, "sum", "native", None)[-1])}
     out = {}
     for name, fn in probes.items():
         fn()                                   # the guard sees the signature once

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from mpidist.collectives import guard, native, ring, select, shm
+from mpidist.collectives import flight, guard, native, ring, select, shm
 from mpidist.collectives.ops import (accumulator_dtype, check_dtype, dtype_name, get_op, narrow,
                                      widen)
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
@@ -102,9 +102,10 @@ def _store(src, dst, widened: bool) -> None:
 def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     """Check the arguments on every rank together (mismatch guard included).
 
-    Returns (comm, x, y, op, algorithm name): x the flat input, y the flat output (x itself
-    in place); "auto" is resolved here, identically on every rank (the first call of a
-    size may time candidates on x first: autotune).
+    Returns (comm, x, y, op, algorithm name, entry): x the flat input, y the flat output (x
+    itself in place); "auto" is resolved here, identically on every rank (the first call of a
+    size may time candidates on x first: autotune); entry is the call's flight record, which
+    the caller ends (flight.end) once the reduction is complete.
     """
     c = as_communicator(comm)
     error, signature = None, None
@@ -122,14 +123,18 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
                      ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
-    guard.check(c, signature, error)
+    entry = guard.check(c, signature, error)
     if algorithm != "auto":
-        return c, x, y, opx, algorithm
+        return c, x, y, opx, algorithm, entry
     # the bytes reduced: half precision is widened to float32 (the only 2-byte dtypes)
     nbytes = x.nbytes if x.itemsize > 2 else 2 * x.nbytes
     if not nbytes:
-        return c, x, y, opx, "native"
-    return c, x, y, opx, c.auto_picks.get(nbytes) or select.choose(c, nbytes, x, opx)
+        return c, x, y, opx, "native", entry
+    try:
+        return c, x, y, opx, c.auto_picks.get(nbytes) or select.choose(c, nbytes, x, opx), entry
+    except BaseException:
+        flight.end(entry)
+        raise
 
 
 def trial_runner(c, x, opx):
@@ -172,8 +177,11 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
     (cheapest by the cost model). out=None reduces in place and returns buf; otherwise the
     result goes to out (same dtype and size) and out is returned.
     """
-    c, x, y, opx, name = prepare_allreduce(comm, buf, op, algorithm, out)
-    run_allreduce(c, x, y, opx, name)
+    c, x, y, opx, name, entry = prepare_allreduce(comm, buf, op, algorithm, out)
+    try:
+        run_allreduce(c, x, y, opx, name)
+    finally:
+        flight.end(entry)
     return buf if out is None else out
 
 
@@ -214,20 +222,21 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
                      ("op", opx.name), ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
-    guard.check(c, signature, error)
-    result = y if out is None else out
-    if x.size == 0:
-        return result
-    sbuf, widened = _to_acc(c, x)
-    if widened:
-        rbuf = scratch(c, _WIDE_SHARD, count, sbuf.dtype, like=sbuf)
-    elif in_place and part is native:                  # MPI's reduce-scatter can not alias
-        rbuf = get_array_module(sbuf).empty(count, dtype=sbuf.dtype)
-    else:
-        rbuf = _on_host(c, y, _STAGE_OUT, copy=False)
-    part.reduce_scatter(c, sbuf, rbuf, opx, finalize_n=c.size)
-    _store(rbuf, y, widened)
-    return result
+    entry = guard.check(c, signature, error)
+    try:
+        if x.size:
+            sbuf, widened = _to_acc(c, x)
+            if widened:
+                rbuf = scratch(c, _WIDE_SHARD, count, sbuf.dtype, like=sbuf)
+            elif in_place and part is native:          # MPI's reduce-scatter can not alias
+                rbuf = get_array_module(sbuf).empty(count, dtype=sbuf.dtype)
+            else:
+                rbuf = _on_host(c, y, _STAGE_OUT, copy=False)
+            part.reduce_scatter(c, sbuf, rbuf, opx, finalize_n=c.size)
+            _store(rbuf, y, widened)
+    finally:
+        flight.end(entry)
+    return y if out is None else out
 
 
 def allgather(shard, *, comm=None, out=None, algorithm="auto"):
@@ -242,7 +251,7 @@ def allgather(shard, *, comm=None, out=None, algorithm="auto"):
         s = _flat(shard, "shard")
         part = _part_module(algorithm, c)
         if out is None:
-            n = None
+            n = yo = None
         else:
             yo = _flat(out, "out")
             if out.dtype != shard.dtype or type(out) is not type(shard):
@@ -258,7 +267,15 @@ def allgather(shard, *, comm=None, out=None, algorithm="auto"):
                      ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
-    guard.check(c, signature, error)
+    entry = guard.check(c, signature, error)
+    try:
+        return _allgather(c, s, out, yo, part, n)
+    finally:
+        flight.end(entry)
+
+
+def _allgather(c, s, out, yo, part, n):
+    """allgather after the guard: yo is out's flat view, or None to allocate the result."""
     if out is None:
         counts = c.comm.allgather(s.size)
         n = sum(counts)

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mpi4py import MPI
 
-from mpidist.collectives import guard, select
+from mpidist.collectives import flight, guard, select
 from mpidist.collectives.core import (_check_out, _flat, _read_only, prepare_allreduce,
                                      run_allreduce)
 from mpidist.collectives.ops import accumulator_dtype, get_op
@@ -38,11 +38,24 @@ _ASYNC_COLOR = 0x6D7064        # the worker's communicator: one split of the cal
 
 
 class Handle:
-    """A pending allreduce; wait() blocks until it is done and returns its result."""
+    """A pending allreduce; wait() blocks until it is done and returns its result.
 
-    def __init__(self, futures: list[Future], result):
+    `entry`: the call's flight record, ended when the last of its futures completes."""
+
+    def __init__(self, futures: list[Future], result, entry=None):
         self._futures = futures
         self._result = result
+        if entry is not None:
+            pending = [len(futures)]
+
+            def finished(_):
+                pending[0] -= 1                 # done callbacks run one at a time: one worker
+                if pending[0] == 0:
+                    flight.end(entry)
+            if not futures:
+                flight.end(entry)
+            for f in futures:
+                f.add_done_callback(finished)
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -142,9 +155,9 @@ def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
     """
     c = as_communicator(comm)
     if not isinstance(buf, (list, tuple)):
-        c, x, y, opx, name = prepare_allreduce(c, buf, op, algorithm, out, "allreduce_async")
+        c, x, y, opx, name, entry = prepare_allreduce(c, buf, op, algorithm, out, "allreduce_async")
         fut = _worker(c).submit(run_allreduce, x, y, opx, name, arrays=(x, y))
-        return Handle([fut], buf if out is None else out)
+        return Handle([fut], buf if out is None else out, entry)
     return _allreduce_fused(c, list(buf), op, algorithm, out, bucket_bytes)
 
 
@@ -171,7 +184,7 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
                      ("algorithm", algorithm))
     except (TypeError, ValueError) as exc:
         error = exc
-    guard.check(c, signature, error)
+    entry = guard.check(c, signature, error)
     worker = _worker(c)
     futures = []
     for g in groups:
@@ -189,4 +202,4 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
         name = algorithm if algorithm != "auto" else _choose(c, packed, opx)
         futures.append(worker.submit(_fused, packed, opx, name, [dests[i] for i in g],
                                      list(zip(ends[:-1], ends[1:])), arrays=(packed,)))
-    return Handle(futures, arrays if out is None else list(out))
+    return Handle(futures, arrays if out is None else list(out), entry)

@@ -1,45 +1,43 @@
-"""The mismatch guard: before a collective, ranks exchange its signature (kind, length,
-dtype, op, algorithm) and any local argument error, and all raise together when they
-disagree, naming the ranks that differ, instead of hanging in mismatched messages.
+"""The mismatch guard: ranks agree on each collective's signature (kind, length, dtype, op,
+algorithm) before any data moves, and raise together, naming the ranks that differ, instead
+of hanging in mismatched messages.
 
-Modes (env MPIDIST_GUARD or set_mode()):
-  "first"  (default) check the first call of each signature on a communicator; a steady
-           training loop then pays nothing. Ranks that agreed so far have seen the same
-           signatures, so they take the same decision about checking.
-  "always" check every call (one small allgather each): also catches a later change of
-           call order between signatures already seen.
-  "off"    never check.
+Every call is checked, cheaply: one fixed-size integer MPI_Allreduce (MAX) of the signature's
+digest, its negation and an error flag. max(d) == -max(-d) exactly when every rank has the
+same digest, so a differing length, dtype, op, algorithm, kind of collective or call order is
+caught on any call, not only the first of a signature. Only when the check fails, or a rank
+has an argument error, do the ranks exchange their full signatures to say who differs.
+
+Each checked call is entered in the flight recorder (flight.py), whose watchdog ends a job
+whose call never finishes (a rank that skipped a call leaves no signature to compare).
+
+Modes (env MPIDIST_GUARD or set_mode()): "on" (default) checks and records every call; "off"
+does neither (a rank with a bad argument then raises alone). "first" and "always" are
+accepted as older names of "on".
 """
 from __future__ import annotations
 
+import hashlib
 import os
-import threading
-import weakref
 
-from mpidist.errors import MismatchError, RemoteError
+import numpy as np
+from mpi4py import MPI
 
-__all__ = ["MODES", "set_mode", "get_mode", "check", "checked", "describe"]
+from mpidist.collectives import flight
+from mpidist.collectives.flight import describe
+from mpidist.errors import MismatchError, RemoteError, format_ranks
 
-MODES = ("first", "always", "off")
+__all__ = ["MODES", "set_mode", "get_mode", "check", "describe"]
+
+MODES = ("on", "off")
+_ALIASES = {"1": "on", "0": "off", "first": "on", "always": "on"}
 _state = {"mode": None}
-_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-_last: tuple = (None, None)
-
-
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out, start = [], 0
-    for i, r in enumerate(ranks):
-        if i == 0 or r != ranks[i - 1] + 1:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(r) if start == r else f"{start}-{r}")
-    return ",".join(out)
+_digests: dict = {}             # signature -> its 62-bit digest, the same in every process
 
 
 def set_mode(mode: str) -> None:
-    """Switch the guard: "first", "always" or "off"."""
+    """Switch the guard: "on" or "off"."""
+    mode = _ALIASES.get(mode, mode)
     if mode not in MODES:
         raise ValueError(f"guard mode must be one of {', '.join(MODES)}, got {mode!r}")
     _state["mode"] = mode
@@ -47,42 +45,50 @@ def set_mode(mode: str) -> None:
 
 def get_mode() -> str:
     if _state["mode"] is None:
-        mode = os.environ.get("MPIDIST_GUARD", "first").strip().lower() or "first"
-        set_mode({"1": "first", "0": "off"}.get(mode, mode))
+        set_mode(os.environ.get("MPIDIST_GUARD", "on").strip().lower() or "on")
     return _state["mode"]
 
 
-def checked(comm) -> frozenset:
-    """The signatures already checked on comm (the "first" mode skips these), described."""
-    with _lock:
-        return frozenset(describe(s) for s in _seen.get(comm, ()))
+def _digest(signature) -> int:
+    """A digest of the signature that every process computes alike (Python's hash() of a
+    string differs between processes), below 2**62 so that its negation fits an int64."""
+    d = _digests.get(signature)
+    if d is None:
+        raw = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+        d = int.from_bytes(raw, "little") >> 2
+        if len(_digests) > 4096:
+            _digests.clear()
+        _digests[signature] = d
+    return d
 
 
-def describe(signature) -> str:
-    """('allreduce', ('n', 5), ('op', 'sum')) -> 'allreduce(n=5, op=sum)'."""
-    if signature is None:
-        return "(no call)"
-    kind, *fields = signature
-    return f"{kind}({', '.join(f'{k}={v}' for k, v in fields)})"
+def check(comm, signature: tuple | None, error: BaseException | None = None):
+    """Collective: raise on every rank if any rank has an argument error or a different
+    signature (kind, (name, value), ...). A rank with an error always takes part.
 
-
-def check(comm, signature: tuple | None, error: BaseException | None = None) -> None:
-    """Collective (when checking): raise on every rank if any rank has an argument error or
-    a different signature (kind, (name, value), ...). A rank with an error always takes
-    part in the exchange."""
-    global _last
+    Returns the call's flight-recorder entry (None with the guard off): the caller passes it
+    to flight.end() when the call is complete.
+    """
     mode = _state["mode"] or get_mode()
-    last = _last                       # (comm, its seen set): a loop calls on one comm
-    if last[0] is comm:
-        seen = last[1]
-    else:
-        with _lock:
-            seen = _seen.setdefault(comm, set())
-        _last = (comm, seen)
-    if error is None and (mode == "off" or (mode == "first" and signature in seen)):
-        return
     if mode == "off":
-        raise error
+        if error is not None:
+            raise error
+        return None
+    entry = flight.begin(comm, signature)      # from here on a hang is on the record
+    d = 0 if signature is None else _digest(signature)
+    votes = np.array([d, -d, error is not None], np.int64)
+    try:
+        comm.comm.Allreduce(MPI.IN_PLACE, [votes, MPI.INT64_T], MPI.MAX)
+        if votes[2] or votes[0] != -votes[1]:
+            _explain(comm, signature, error)
+    except BaseException:
+        flight.end(entry)
+        raise
+    return entry
+
+
+def _explain(comm, signature, error) -> None:
+    """Collective, after a failed check: exchange the signatures and raise on every rank."""
     msg = None if error is None else f"{type(error).__name__}: {error}"
     values = comm.comm.allgather((signature, msg))
     bad = [r for r, (_, m) in enumerate(values) if m is not None]
@@ -90,14 +96,10 @@ def check(comm, signature: tuple | None, error: BaseException | None = None) -> 
         if error is not None:
             raise error
         detail = "; ".join(f"rank {r}: {values[r][1]}" for r in bad)
-        raise RemoteError(f"collective arguments rejected on rank(s) {_ranges(bad)}: {detail}")
+        raise RemoteError(f"collective arguments rejected on rank(s) {format_ranks(bad)}: {detail}")
     groups: dict = {}
     for r, (sig, _) in enumerate(values):
         groups.setdefault(sig, []).append(r)
-    if len(groups) > 1:
-        detail = "; ".join(f"ranks {_ranges(rs)}: {describe(sig)}" for sig, rs in groups.items())
-        raise MismatchError(f"ranks disagree on the collective call ({detail}); every rank "
-                            f"must make the same calls, in the same order, with the same "
-                            f"length, dtype and op")
-    with _lock:
-        seen.add(signature)
+    detail = "; ".join(f"ranks {format_ranks(rs)}: {describe(sig)}" for sig, rs in groups.items())
+    raise MismatchError(f"ranks disagree on the collective call ({detail}); every rank must make "
+                        f"the same calls, in the same order, with the same length, dtype and op")

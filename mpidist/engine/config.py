@@ -61,6 +61,14 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "plot": _f(bool, True, "write a PNG plot of the run at the end"),
         "target_accuracy": _f((int, float), 0.0, "fail (exit 1) if final test accuracy is below this",
                               check=lambda v: 0 <= v <= 1, rule="in [0, 1]"),
+        "fault_tolerance": _f(str, "off", "shrink: survive a lost rank and continue on the survivors "
+                              "(dp, zero 1/2; needs the FT environment, launcher --ft)", choices=("off", "shrink")),
+        "shard_restore": _f(str, "neighbour", "zero with fault_tolerance: where a lost rank's shard comes "
+                            "from: neighbour (a copy each rank keeps of the next one's) or checkpoint",
+                            choices=("neighbour", "checkpoint")),
+        "timeout": _f((int, float), None, "seconds a collective may wait before the watchdog ends the "
+                      "job with every rank's flight record (default: env MPIDIST_TIMEOUT, else 600; "
+                      "0 = never)", **_nonneg),
     },
     "model": {
         "name": _f(str, "mlp", "model", choices=tuple(MODELS)),
@@ -251,6 +259,7 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
                    for key in ("compression_options", "compression_warmup", "compression_allreduce")
                    if key in given_keys["parallel"]]
     errors += support_errors(cfg["parallel"])
+    errors += _fault_tolerance_errors(cfg, given_keys["job"])
     found = _check_optimizer(cfg["optim"])
     errors += found or _check_momentum(cfg)
     if not errors:
@@ -339,6 +348,27 @@ def support_errors(parallel: dict) -> list[str]:
                 if strategy == "pipeline" else "; remove it")
         errors.append(f"[parallel] accumulation = {parallel['accumulation']} is not supported "
                       f"with strategy = {strategy!r}{hint}")
+    return errors
+
+
+def _fault_tolerance_errors(cfg: dict, given: set) -> list[str]:
+    """[job] fault_tolerance = "shrink" with what it cannot recover, as error messages."""
+    p, ft = cfg["parallel"], cfg["job"]["fault_tolerance"]
+    if ft == "off":
+        return ["[job] shard_restore needs fault_tolerance = 'shrink'"] if "shard_restore" in given else []
+    errors = []
+    if p["strategy"] not in ("dp", "zero") or (p["strategy"] == "zero" and p["stage"] not in (1, 2)):
+        errors.append("[job] fault_tolerance = 'shrink' works with strategy = 'dp' and 'zero' stage 1 or 2")
+    if p["compression"] != "none":
+        errors.append("[job] fault_tolerance = 'shrink' does not restore compression residuals; "
+                      "set [parallel] compression = 'none'")
+    if p["algorithm"] == "shm":
+        errors.append("[parallel] algorithm = 'shm' uses a shared-memory window, which MPI's fault "
+                      "tolerance does not cover; use 'auto' or 'ring'")
+    if "shard_restore" in given and p["strategy"] != "zero":
+        errors.append("[job] shard_restore applies to strategy = 'zero' (dp restores from the survivors' replicas)")
+    if p["strategy"] == "zero" and cfg["job"]["shard_restore"] == "checkpoint" and cfg["checkpoint"]["interval"] == 0:
+        errors.append("[job] shard_restore = 'checkpoint' needs [checkpoint] interval > 0")
     return errors
 
 

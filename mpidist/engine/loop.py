@@ -19,10 +19,12 @@ import os
 import sys
 import time
 
+from mpidist.collectives import flight
 from mpidist.data import DistributedSampler, build_datasets, iterate
 from mpidist.engine.metrics import MetricsWriter
 from mpidist.errors import ConfigError
 from mpidist.engine.strategy import build_strategy
+from mpidist.ft.recovery import Resilience
 
 __all__ = ["run", "evaluate", "total_steps", "JobFailed", "CHECKPOINT_HOOK"]
 
@@ -98,16 +100,25 @@ def run(config: dict, comm) -> dict:
     t_start = time.perf_counter()
     train, test, meta = _agreed(comm, build_datasets, config, comm)
     try:
+        if config["job"]["fault_tolerance"] == "shrink":      # survive a lost rank (mpidist.ft)
+            return Resilience(config, comm).run(_train, config, train, test, meta, t_start)
         return _train(config, comm, train, test, meta, t_start)
     finally:                      # parallel HDF5 files must be closed before MPI finalises
         train.close()
         test.close()
 
 
-def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
+def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilience=None) -> dict:
     job = config["job"]
     out_dir = job["out_dir"]
+    # ranks that see different data would run different numbers of steps and hang
+    comm.check_same((train.n, test.n), "the dataset's size (train, test samples)",
+                    "every rank must read the same dataset (a node-local copy that differs, or "
+                    "a relative [data] path read from different directories?)")
     per_epoch, total = _agreed(comm, total_steps, config, train.n)
+    flight.set_directory(out_dir)
+    if job["timeout"] is not None and "MPIDIST_TIMEOUT" not in os.environ:
+        flight.set_timeout(job["timeout"])
     config = {**config, "job": {**job, "total_steps": total, "steps_per_epoch": per_epoch}}
     strategy = _agreed(comm, build_strategy, config, comm, meta)
     hook = _agreed(comm, _checkpoint_hook, config, comm)
@@ -115,6 +126,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
         hook.attach(strategy)
         if config["checkpoint"]["resume"]:
             hook.resume(strategy)
+    if resilience is not None:           # after a lost rank: the survivors' state, loaded
+        resilience.attach(strategy, hook)
     is_root = comm.rank == 0
     if is_root:
         os.makedirs(out_dir, exist_ok=True)
@@ -162,6 +175,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
             last = strategy.step >= total
             if hook is not None:
                 hook.after_step(strategy, last)
+            if resilience is not None:
+                resilience.after_step(strategy)
             ev = job["eval_every"]
             if (ev and strategy.step % ev == 0) or (not ev and (i == per_epoch - 1 or last)):
                 last_eval, eval_at = evaluate(strategy, test, eval_bs), strategy.step
@@ -183,6 +198,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float) -> dict:
                "train_seconds": t_loop, "total_seconds": time.perf_counter() - t_start,
                "samples_per_s": samples / t_loop if t_loop > 0 else 0.0,
                "memory": strategy.memory_report()}
+    if resilience is not None:
+        summary["recoveries"] = resilience.recoveries
     if hook is not None:
         hook.close()
     writer.close()

@@ -1,28 +1,62 @@
-"""The mismatch guard: disagreeing ranks raise a clear error on every rank, never hang."""
+"""The mismatch guard: disagreeing ranks raise a clear error on every rank, never hang,
+whichever call they disagree on."""
+import time
+
 import numpy as np
 import pytest
 
-from mpidist.collectives import allreduce, guard, reduce_scatter
+from mpidist.collectives import allgather, allreduce, allreduce_async, flight, guard, reduce_scatter
 from mpidist.errors import MismatchError, RemoteError
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("what", ["length", "dtype", "op", "call"])
-def test_mismatch_raises_on_every_rank(comm, what):
-    last = comm.rank == comm.size - 1
-    n = 10 + (what == "length" and last)
+def _odd_call(comm, what: str, last: bool):
+    """One call, the same on every rank but the last unless what is 'none'."""
+    n = 1000 - (what == "length" and last)
     dt = np.float64 if what == "dtype" and last else np.float32
     op = "max" if what == "op" and last else "sum"
+    algorithm = "tree" if what == "algorithm" and last else "ring"
     x = np.ones(n, dt)
+    if what == "call" and last:
+        return reduce_scatter(x, op=op, comm=comm)
+    return allreduce(x, op=op, algorithm=algorithm, comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("what", ["length", "dtype", "op", "algorithm", "call"])
+@pytest.mark.parametrize("after", [0, 5])
+def test_mismatch_raises_on_every_rank(comm, what, after):
+    """A differing call raises everywhere, also after `after` matching calls of the same
+    signature (the ranks that saw it before check it again)."""
+    for _ in range(after):
+        _odd_call(comm, "none", False)
+    last = comm.rank == comm.size - 1
+    t0 = time.perf_counter()
     with pytest.raises(MismatchError) as err:
-        if what == "call" and last:
-            reduce_scatter(x, op=op, comm=comm)
-        else:
-            allreduce(x, op=op, comm=comm)
+        _odd_call(comm, what, last)
+    assert time.perf_counter() - t0 < 2.0
     msg = str(err.value)
     assert f"ranks {comm.size - 1}:" in msg and "ranks 0" in msg, msg
     # the communicator is still usable afterwards
     assert allreduce(np.ones(3), comm=comm)[0] == comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_call_order_swapped_after_matching_calls(comm):
+    """Two signatures seen before, called in another order on one rank: caught."""
+    a, b = np.ones(8, np.float32), np.ones(9, np.float32)
+    for _ in range(3):
+        allreduce(a, comm=comm)
+        allreduce(b, comm=comm)
+    first, second = (b, a) if comm.rank == comm.size - 1 else (a, b)
+    with pytest.raises(MismatchError, match="n=8.*n=9|n=9.*n=8"):
+        allreduce(first, comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_mismatch_raises_on_every_rank(comm):
+    grads = [np.ones(10, np.float32), np.ones(20 + (comm.rank == 0), np.float32)]
+    with pytest.raises(MismatchError, match="buckets"):
+        allreduce_async(grads, comm=comm, bucket_bytes=40).wait()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -33,16 +67,74 @@ def test_bad_argument_on_one_rank_raises_everywhere(comm):
         allreduce(x, comm=comm)
 
 
-def test_first_mode_remembers_each_signature(comm):
+def test_modes():
     old = guard.get_mode()
     try:
-        guard.set_mode("first")
-        for _ in range(3):
-            allreduce(np.ones(5, np.float32), algorithm="native", comm=comm)
-        allreduce(np.ones(6, np.float32), op="max", algorithm="ring", comm=comm)
-        seen = guard.checked(comm)
+        for name, mode in (("first", "on"), ("always", "on"), ("0", "off"), ("on", "on")):
+            guard.set_mode(name)
+            assert guard.get_mode() == mode
     finally:
         guard.set_mode(old)
-    assert len(seen) == 2 and any("n=6" in s and "op=max" in s for s in seen), seen
-    with pytest.raises(ValueError, match="first, always, off"):
+    with pytest.raises(ValueError, match="on, off"):
         guard.set_mode("sometimes")
+
+
+def test_flight_recorder_keeps_each_call(comm):
+    """Each checked call is on the record, with its sequence number and both times."""
+    before = flight.records(comm)
+    allreduce(np.ones(7, np.float32), algorithm="native", comm=comm)
+    allgather(np.ones(3, np.int64), comm=comm)
+    h = allreduce_async(np.ones(5), comm=comm)
+    h.wait()
+    reduce_scatter(np.ones(2 * comm.size), comm=comm)
+    rec = flight.records(comm)[-4:]
+    assert [r["call"].split("(")[0] for r in rec] == \
+        ["allreduce", "allgather", "allreduce_async", "reduce_scatter"]
+    assert "n=7" in rec[0]["call"] and "dtype=float32" in rec[0]["call"]
+    seqs = [r["seq"] for r in rec]
+    assert seqs == list(range(seqs[0], seqs[0] + 4))
+    assert not before or seqs[0] > before[-1]["seq"]
+    deadline = time.time() + 5              # the async call's end is set by its worker
+    while rec[2]["end"] is None and time.time() < deadline:
+        time.sleep(0.01)
+        rec = flight.records(comm)[-4:]
+    assert all(r["end"] is not None and r["end"] >= r["start"] for r in rec), rec
+
+
+def test_guard_off_records_nothing(comm):
+    old = guard.get_mode()
+    guard.set_mode("off")
+    try:
+        n = len(flight.records(comm))
+        allreduce(np.ones(3), comm=comm)
+        assert len(flight.records(comm)) == n
+    finally:
+        guard.set_mode(old)
+
+
+def _dump(rank, calls, members=(0, 1, 2, 3)):
+    return {"job": "j", "rank": rank, "comms": [{"key": "0-3", "members": list(members),
+                                                 "calls": calls}]}
+
+
+def test_diagnose_names_the_divergent_call():
+    """Ranks 0-2 wait in allreduce #5; rank 3 skipped it and waits in a barrier #5."""
+    done = [[s, "allreduce(n=1000)", 1.0, 2.0] for s in (3, 4)]
+    dumps = [_dump(r, done + [[5, "allreduce(n=1000)", 3.0, None]]) for r in range(3)]
+    dumps.append(_dump(3, done + [[5, "barrier()", 3.0, None]]))
+    text = flight.diagnose(dumps, "0-3")
+    assert "ranks 0-2 are in allreduce(n=1000) #5" in text, text
+    assert "rank 3 is in barrier() #5" in text, text
+    assert "first call where ranks differ is #5: ranks 0-2: allreduce(n=1000); ranks 3: barrier()" in text
+
+
+def test_diagnose_a_rank_that_stopped_calling():
+    done = [[s, "allreduce(n=8)", 1.0, 2.0] for s in (1, 2)]
+    dumps = [_dump(r, done + [[3, "allreduce(n=8)", 3.0, None]], (0, 1, 2)) for r in range(2)]
+    dumps.append(_dump(2, done, (0, 1, 2)))
+    text = flight.diagnose(dumps, "0-3")
+    assert "ranks 0-1 are in allreduce(n=8) #3" in text
+    assert "rank 2 is in no collective; the last was allreduce(n=8) #2" in text
+    assert "#3: ranks 0-1: allreduce(n=8); ranks 2: (no call)" in text
+    dumps.pop()                        # rank 2 finished and left nothing
+    assert "rank 2 left no record" in flight.diagnose(dumps, "0-3")
