@@ -12,14 +12,17 @@ in float64 over LANES interleaved partial sums (vectorised, yet with a fixed ord
 reassociation). Each update is one fused pass over memory; reductions (finite check, sums of
 squares) are per chunk, summed per segment by the caller.
 Five kernels serve the four optimizers: options are arguments, not specialisations, so a
-new process loads five cached functions (`cache=True`) and compiles nothing.
+new process loads five cached functions (`cache=True`) and compiles nothing. Four more serve
+the compression stage of 1-bit Adam and 1-bit LAMB (the local momentum, and the updates with
+a frozen variance).
 """
 import numba
 import numpy as np
 from numba import njit, prange
 
 __all__ = ["CPUKernels", "sumsq_pg", "lamb_sums", "momentum_update",
-           "adam_update", "segment_totals"]
+           "adam_update", "segment_totals", "onebit_momentum", "onebit_adam_update",
+           "onebit_lamb_sums", "onebit_lamb_update"]
 
 _EXP = np.uint32(0x7F800000)  # float32 exponent bits: all ones <=> Inf or NaN
 # Below this many elements a kernel runs on the calling thread: waking the thread pool
@@ -191,6 +194,117 @@ def momentum_update(p, g, buf, lo, hi, seg, seg_wd, seg_c, gscale, decay, mom, l
                 pw[i] = w - lr32 * bb
 
 
+# ------------------------------------------------------------ 1-bit Adam / 1-bit LAMB
+ELEMS = 1 << 15    # elements per work item of the segment-free local momentum
+
+
+@njit(parallel=True, **_OPTS)
+def onebit_momentum(m, g, b1, mult):
+    """The local momentum of the compression stage, in place over g (float32):
+        g = b1*m + (1-b1)*(mult*g)
+    m: the momentum every rank shares (the last exchange's), g: this rank's gradient."""
+    B1, C1, M = f32(b1), f32(1.0 - b1), f32(mult)
+    n = g.shape[0]
+    for c in prange((n + ELEMS - 1) // ELEMS):
+        a, b = c * ELEMS, min(n, (c + 1) * ELEMS)
+        mw, gw = m[a:b], g[a:b]
+        for i in range(b - a):
+            gw[i] = B1 * mw[i] + C1 * (M * gw[i])
+
+
+@njit(parallel=True, **_OPTS)
+def onebit_adam_update(p, m, v, mstate, lo, hi, seg, seg_wd, seg_c, bc1, bc2, eps):
+    """1-bit Adam after the warm-up, one pass (v frozen, m the exchanged momentum):
+        r = (m/bc1) / (sqrt(v/bc2) + eps) ;  w -= c_s * (r + wd_s*w) ;  mstate = m
+    bc2 is the frozen variance's correction, 1 - b2^freeze_step."""
+    D1, D2, E = f32(bc1), f32(bc2), f32(eps)
+    for c in prange(lo.shape[0]):
+        a, b = lo[c], hi[c]
+        wd, cs = seg_wd[seg[c]], seg_c[seg[c]]
+        pw, mw, vw, sw = p[a:b], m[a:b], v[a:b], mstate[a:b]
+        for i in range(b - a):
+            w = pw[i]
+            mi = mw[i]
+            r = (mi / D1) / (np.sqrt(vw[i] / D2) + E)
+            sw[i] = mi
+            pw[i] = w - cs * (r + wd * w)
+
+
+@njit(**_OPTS)
+def _onebit_lamb_dir(w, m, m_old, v, vf, B1, C1, B2, C2, D1, D2, D2F, E, wd):
+    """One element of 1-bit LAMB's compression stage (float32; written once):
+        g   = (m - b1*m_old) / (1-b1)                   the gradient the momentum implies
+        vf  = b2*vf + (1-b2)*g^2                        the fresh variance goes on
+        den = sqrt(v/bc2_frozen) + eps ;  r = (m/bc1) / den ;  u = r + wd_s*w
+        ratio = den / (sqrt(vf/bc2) + eps)              frozen over fresh denominator"""
+    g = (m - B1 * m_old) / C1
+    vf1 = B2 * vf + C2 * (g * g)
+    den = np.sqrt(v / D2) + E
+    r = (m / D1) / den
+    return vf1, r, r + wd * w, den / (np.sqrt(vf1 / D2F) + E)
+
+
+@njit(**_OPTS)
+def _onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f):
+    return (f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2), f32(bc1), f32(bc2), f32(bc2f),
+            f32(eps))
+
+
+@njit(parallel=True, **_OPTS)
+def onebit_lamb_sums(p, m, m_old, v, vf, lo, hi, seg, seg_wd, b1, b2, eps, bc1, bc2, bc2f,
+                     out):
+    """1-bit LAMB phase 1 (reads only), per chunk: out[c] = (sum w^2, sum u^2, sum r^2,
+    max ratio), from _onebit_lamb_dir; bc2 = 1 - b2^freeze_step, bc2f = 1 - b2^t."""
+    B1, C1, B2, C2, D1, D2, D2F, E = _onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f)
+    for c in prange(lo.shape[0]):
+        wd = seg_wd[seg[c]]
+        u = np.empty(BLOCK, np.float32)
+        r = np.empty(BLOCK, np.float32)
+        acc = np.zeros((3, LANES))
+        top = f32(0.0)
+        for a in range(lo[c], hi[c], BLOCK):
+            b = min(a + BLOCK, hi[c])
+            pw, mw, ow, vw, fw = p[a:b], m[a:b], m_old[a:b], v[a:b], vf[a:b]
+            for i in range(b - a):
+                _, ri, ui, q = _onebit_lamb_dir(pw[i], mw[i], ow[i], vw[i], fw[i], B1, C1, B2,
+                                                C2, D1, D2, D2F, E, wd)
+                r[i] = ri
+                u[i] = ui
+                top = max(top, q)
+            _sumsq_into(acc[0], pw, f32(1.0))
+            _sumsq_into(acc[1], u[:b - a], f32(1.0))
+            _sumsq_into(acc[2], r[:b - a], f32(1.0))
+        for k in range(3):
+            out[c, k] = acc[k].sum()
+        out[c, 3] = top
+
+
+@njit(parallel=True, **_OPTS)
+def onebit_lamb_update(p, m, m_old, v, vf, lo, hi, seg, seg_wd, seg_c, b1, b2, eps, bc1, bc2,
+                       bc2f):
+    """1-bit LAMB phase 2, one pass: (vf, r, u) from _onebit_lamb_dir; w -= c_s*u with
+    c_s = lr * coefficient_s; m_old = m (the momentum this step leaves)."""
+    B1, C1, B2, C2, D1, D2, D2F, E = _onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f)
+    for c in prange(lo.shape[0]):
+        a, b = lo[c], hi[c]
+        wd, cs = seg_wd[seg[c]], seg_c[seg[c]]
+        pw, mw, ow, vw, fw = p[a:b], m[a:b], m_old[a:b], v[a:b], vf[a:b]
+        for i in range(b - a):
+            w = pw[i]
+            vf1, _, ui, _ = _onebit_lamb_dir(w, mw[i], ow[i], vw[i], fw[i], B1, C1, B2, C2, D1,
+                                            D2, D2F, E, wd)
+            fw[i] = vf1
+            ow[i] = mw[i]
+            pw[i] = w - cs * ui
+
+
+def segment_max(partials, seg, nseg):
+    """Per-segment maximum of per-chunk values (nchunk,) -> (nseg,), float64 (0 if none)."""
+    out = np.zeros(nseg, np.float64)
+    np.maximum.at(out, seg, partials)
+    return out
+
+
 def segment_totals(partials, seg, nseg):
     """Sum per-chunk partials (nchunk, k) into per-segment totals (nseg, k), float64."""
     out = np.zeros((nseg, partials.shape[1]), np.float64)
@@ -246,3 +360,32 @@ class CPUKernels:
                         use_buf):
         self._run(momentum_update, p, g, buf, self.lo, self.hi, self.seg, _f32(seg_wd),
                   _f32(seg_c), gscale, decay, mom, lr, nesterov, use_buf)
+
+    def onebit_momentum(self, m, g, b1, mult):
+        n = int(g.shape[0])
+        if n < PARALLEL_MIN:
+            threads = numba.get_num_threads()
+            numba.set_num_threads(1)
+            try:
+                onebit_momentum(m, g, b1, mult)
+            finally:
+                numba.set_num_threads(threads)
+        else:
+            onebit_momentum(m, g, b1, mult)
+
+    def onebit_adam_update(self, p, m, v, mstate, seg_wd, seg_c, bc1, bc2, eps):
+        self._run(onebit_adam_update, p, m, v, mstate, self.lo, self.hi, self.seg,
+                  _f32(seg_wd), _f32(seg_c), bc1, bc2, eps)
+
+    def onebit_lamb_sums(self, p, m, m_old, v, vf, seg_wd, b1, b2, eps, bc1, bc2, bc2f):
+        """(nseg, 4) float64: sums of w^2, u^2, r^2 and the max ratio per segment."""
+        out = np.empty((self.lo.shape[0], 4), np.float64)
+        self._run(onebit_lamb_sums, p, m, m_old, v, vf, self.lo, self.hi, self.seg,
+                  _f32(seg_wd), b1, b2, eps, bc1, bc2, bc2f, out)
+        tot = segment_totals(out[:, :3], self.seg, self.nseg)
+        return np.concatenate([tot, segment_max(out[:, 3], self.seg, self.nseg)[:, None]], 1)
+
+    def onebit_lamb_update(self, p, m, m_old, v, vf, seg_wd, seg_c, b1, b2, eps, bc1, bc2,
+                           bc2f):
+        self._run(onebit_lamb_update, p, m, m_old, v, vf, self.lo, self.hi, self.seg,
+                  _f32(seg_wd), _f32(seg_c), b1, b2, eps, bc1, bc2, bc2f)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from mpidist.compress.allreduce import CompressedAllreduce
 from mpidist.compress.base import Compressor
 from mpidist.compress.fp16 import BF16, FP16
+from mpidist.compress.momentum import MomentumAllreduce
 from mpidist.compress.powersgd import PowerSGD
 from mpidist.compress.qsgd import QSGD
 from mpidist.compress.randomk import RandomK
@@ -17,7 +18,7 @@ from mpidist.compress.sign import Sign
 from mpidist.compress.topk import TopK
 
 __all__ = ["make_compressor", "build_compressor", "compressor_names", "COMPRESSORS",
-           "Compressor", "CompressedAllreduce", "FP16", "BF16", "TopK", "RandomK", "Sign",
+           "Compressor", "CompressedAllreduce", "MomentumAllreduce", "FP16", "BF16", "TopK", "RandomK", "Sign",
            "QSGD", "PowerSGD"]
 
 COMPRESSORS = {cls.name: cls for cls in (FP16, BF16, TopK, RandomK, Sign, QSGD, PowerSGD)}

@@ -103,6 +103,11 @@ class Compressor:
         self.decode_add(payload, ctx, out)
         return out
 
+    def context(self, n: int) -> dict:
+        """The ctx this call's encode would give an n-element input, rebuilt without the
+        data (every rank can decode a payload another rank encoded at the same step)."""
+        return {"n": int(n)}
+
     def encode(self, x, layout):
         raise NotImplementedError
 

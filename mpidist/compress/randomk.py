@@ -34,6 +34,13 @@ class RandomK(Sparsifier):
         kernels_for(x).randomk_indices(n, k, step_seed(self.seed, self.step), idx)
         return (x[idx],), {"n": n, "idx": idx}
 
+    def context(self, n: int) -> dict:
+        """The shared indices of this step for n elements (as encode draws them)."""
+        k = self.k_of(n)
+        idx = np.empty(k, dtype=np.int64)
+        kernels_for(idx).randomk_indices(n, k, step_seed(self.seed, self.step), idx)
+        return {"n": n, "idx": idx}
+
     def decode_add(self, payload, ctx, out) -> None:
         out[ctx["idx"]] += payload[0]     # strata make the indices distinct
 

@@ -1,4 +1,5 @@
-"""Optimizers over flat buffers (SGD, AdamW, LARS, LAMB), schedules and loss scaling.
+"""Optimizers over flat buffers (SGD, AdamW, LARS, LAMB, 1-bit Adam and 1-bit LAMB),
+schedules and loss scaling.
 
     opt = build_optimizer("lamb", layout, lr=1e-3, weight_decay=0.01, offset=o, count=c)
     info = opt.step(params, grads, reduce_norms=allreduce_sum)
@@ -7,19 +8,22 @@ from mpidist.optim.adamw import AdamW
 from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, Optimizer, StepInfo
 from mpidist.optim.lamb import LAMB
 from mpidist.optim.lars import LARS
+from mpidist.optim.onebit import OnebitAdam, OnebitLAMB
 from mpidist.optim.scaler import DynamicLossScaler
 from mpidist.optim.schedules import Schedule, build_schedule, scale_lr
 from mpidist.optim.sgd import SGD
 
 __all__ = ["OPTIMIZERS", "build_optimizer", "Optimizer", "LayerwiseOptimizer", "StepInfo",
-           "SGD", "AdamW", "LARS", "LAMB", "DynamicLossScaler", "Schedule", "build_schedule",
+           "SGD", "AdamW", "LARS", "LAMB", "OnebitAdam", "OnebitLAMB", "DynamicLossScaler", "Schedule", "build_schedule",
            "scale_lr", "DEFAULT_EXCLUDE"]
 
-OPTIMIZERS = {"sgd": SGD, "adamw": AdamW, "lars": LARS, "lamb": LAMB}
+OPTIMIZERS = {"sgd": SGD, "adamw": AdamW, "lars": LARS, "lamb": LAMB,
+              "onebit_adam": OnebitAdam, "onebit_lamb": OnebitLAMB}
 
 
 def build_optimizer(name: str, layout, **hyper) -> Optimizer:
-    """The optimizer registered under `name` (sgd, adamw, lars, lamb) built on `layout`."""
+    """The optimizer registered under `name` (sgd, adamw, lars, lamb, onebit_adam,
+    onebit_lamb) built on `layout`."""
     try:
         cls = OPTIMIZERS[name.lower() if isinstance(name, str) else name]
     except (KeyError, TypeError):

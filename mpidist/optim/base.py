@@ -207,11 +207,19 @@ class Optimizer(abc.ABC):
         'master' holds the fp32 weights when the parameters are fp16/bf16."""
         return dict(self._state)
 
+    def extra_state(self) -> dict:
+        """Small JSON-able state beside the per-element buffers, the same on every rank
+        (1-bit LAMB's per-tensor ratios); checkpoints keep it with the scalars."""
+        return {}
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore what extra_state() returned."""
+
     def state_dict(self) -> dict:
         """Copies of the state over the range, the step count, the range and the
         hyperparameters (the latter for the record: load_state_dict does not apply them)."""
         return {"name": self.name, "step": self.step_count, "offset": self.offset,
-                "count": self.count, "hyper": self.hyper(),
+                "count": self.count, "hyper": self.hyper(), "extra": self.extra_state(),
                 "param_dtype": None if self.param_dtype is None else str(self.param_dtype),
                 "state": {k: v.copy() for k, v in self._state.items()}}
 
@@ -253,6 +261,8 @@ class Optimizer(abc.ABC):
                 get_array_module(dst).asarray(v)
         self.step_count = int(step)
         self._master_ready = self.step_count > 0
+        if "extra" in sd:
+            self.load_extra_state(sd["extra"])
 
     # ---- the step ---------------------------------------------------------------------
     def step(self, params, grads, reduce_norms: Callable | None = None, *,
