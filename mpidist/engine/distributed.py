@@ -99,6 +99,7 @@ class DistributedOptimizer:
         self.compressed = None          # the CompressedAllreduce, when compression is on
         self.allreduce_async = self._make_allreduce(compression, options, compression_warmup,
                                                     compression_allreduce)
+        self.onebit = self._make_onebit(compression)
         self.buckets = make_buckets(self.layout, params.dtype.itemsize, bucket_mb)
         bucket_of = np.empty(len(self.layout), dtype=np.int64)
         for b, (lo, hi) in enumerate(self.buckets):
@@ -129,6 +130,20 @@ class DistributedOptimizer:
         self.compressed = CompressedAllreduce(build_compressor(compression, **options), self.comm,
                                               algorithm=how, warmup_steps=warmup, nonfinite="skip")
         return lambda buf: self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
+
+    def _make_onebit(self, compression):
+        """A 1-bit optimizer (mpidist.optim.onebit) sends its own compressed momentum once
+        its warm-up is over: the driver of that exchange (engine.onebit), else None."""
+        from mpidist.engine.onebit import OnebitDriver, is_onebit
+
+        if not is_onebit(self.optimizer):
+            return None
+        if compression not in (None, "none"):
+            raise ValueError(f"optimizer {self.optimizer.name!r} compresses its momentum itself "
+                             f"(its compressor option); remove the gradient compression")
+        # op="sum": each rank's gradient is its share of the sum; "avg": of the mean
+        mult = self.comm.size if self.op == "sum" else 1.0 / self.accumulation
+        return OnebitDriver(self.optimizer, self.layout, self.comm, mult=mult, xp=self.grads.xp)
 
     # ------------------------------------------------------------------ plain arrays
     @classmethod
@@ -202,6 +217,8 @@ class DistributedOptimizer:
     def _launch(self, all_buckets: bool) -> None:
         if self.comm.size == 1 and self.compressed is None:   # a plain sum over one rank: no-op
             return
+        if self.onebit is not None and self.onebit.frozen:    # the momentum goes instead
+            return
         t0 = time.perf_counter()
         while len(self._handles) < len(self.buckets):
             b = len(self._handles)
@@ -240,7 +257,8 @@ class DistributedOptimizer:
             if out is not None and out is not view:
                 view[...] = out
         xp = self.grads.xp
-        if self.op == "avg":
+        local = self.onebit is not None and self.onebit.frozen     # gradients stay local
+        if self.op == "avg" and not local:
             self.grads.data *= 1.0 / (self.comm.size * self.accumulation)
 
         # 2. NaN/Inf agreed across ranks, with the caller's stats in the same message
@@ -255,7 +273,10 @@ class DistributedOptimizer:
         # 3. the update, then a clean gradient buffer for the next step
         t0 = time.perf_counter()
         if not info["skipped"]:
-            out = self.optimizer.step(self.params.data, self.grads.data, finite=True)
+            if local:       # 1-bit optimizers: the compressed momentum exchange and update
+                out = self.onebit.step(self.params.data, self.grads.data, finite=True)
+            else:
+                out = self.optimizer.step(self.params.data, self.grads.data, finite=True)
             info.update(lr=out.lr, optim_step=out.step)
             if self._user_arrays is not None:
                 self._copy_out()

@@ -1,0 +1,138 @@
+"""The compression stage of the 1-bit optimizers (mpidist.optim.onebit) in a data-parallel
+group: what dp, ZeRO and the pipeline's data-parallel groups share.
+
+During the warm-up an engine averages gradients as it always does. Once the optimizer is
+frozen it sends no gradient; instead, per step:
+
+    1. local momentum   m_i = b1*m + (1-b1)*mult*g_i over the range it holds (whole
+                        buffer, or bucket by bucket), m being the last averaged momentum
+    2. worker side      the compressed reduce-scatter of m_i onto the chunk owners
+                        (worker error feedback per range)
+    3. server side      each owner averages its chunk, compresses it (server error
+                        feedback) and every rank gathers the average, whole
+    4. the update       the optimizer's step on its range of that average
+
+(mpidist.compress.momentum does 2 and 3.) State in checkpoints, beside the optimizer's:
+    compress/residual/<tensor>         (R, *shape)  the worker residuals, one row per replica
+                                                    (engine.compression_state's rule)
+    compress/server_residual/<tensor>  (*shape)     the server residuals: each owner's chunk
+                                                    of one global tensor
+    scalars["compression"], scalars["onebit"]       counters (the compressors' steps)
+The averaged momentum is the optimizer's exp_avg, gathered again after a load; the phase is
+the optimizer's step count, so a resume does not restart the warm-up.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpidist.compress import MomentumAllreduce, make_compressor
+from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
+from mpidist.engine.strategy import flat_pieces, read_flat
+from mpidist.kernels.backend import get_array_module
+from mpidist.optim.base import StepInfo
+
+__all__ = ["OnebitDriver", "SERVER_RESIDUAL", "is_onebit"]
+
+SERVER_RESIDUAL = "compress/server_residual"
+
+
+def is_onebit(optimizer) -> bool:
+    """Whether the optimizer is one of the 1-bit ones (its engine must drive the exchange)."""
+    return bool(getattr(optimizer, "onebit", False))
+
+
+class OnebitDriver:
+    """The momentum exchange of one 1-bit optimizer over a data-parallel group.
+
+    optimizer: OnebitAdam / OnebitLAMB over [offset, offset+count) of layout; comm: the
+    ranks whose gradients are averaged (collective construction); mult: what this rank's
+    gradient is multiplied by to estimate the average (size when gradients are summed).
+    """
+
+    def __init__(self, optimizer, layout, comm, *, mult: float, xp=np):
+        self.opt, self.layout, self.comm, self.mult = optimizer, layout, comm, float(mult)
+        error, ex = None, None
+        try:
+            compressor = make_compressor(optimizer.compressor, **optimizer.compressor_options)
+            ex = MomentumAllreduce(compressor, layout.numel, comm, xp=xp)
+        except (TypeError, ValueError) as exc:
+            error = ValueError(f"[optim] {optimizer.name} compressor "
+                               f"{optimizer.compressor!r}: {exc}")
+        comm.raise_if_any(error)
+        self.ex = ex
+
+    @property
+    def frozen(self) -> bool:
+        return self.opt.frozen
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.ex.bytes_sent
+
+    def begin(self) -> None:
+        """Before a step's local momenta: the whole averaged momentum on this rank (gathered
+        from the optimizers' exp_avg after the warm-up or a load)."""
+        if not self.ex.ready:
+            self.ex.gather(self.opt.state_buffers()["exp_avg"], self.opt.offset)
+
+    def send(self, g, lo: int = 0):
+        """1.-2. In place g <- this rank's momentum over [lo, lo+len(g)); returns my
+        chunk's part of the compressed sum (NaN everywhere if any rank's g was not finite)."""
+        self.opt.local_momentum(self.ex.momentum[lo:lo + g.shape[0]], g, self.mult)
+        return self.ex.reduce_scatter(g, lo)
+
+    def finish(self, params, summed, reduce_norms=None, finite: bool | None = None) -> StepInfo:
+        """3.-4. summed: my chunk of the compressed sum, all ranges in; params: the
+        optimizer's range. finite: whether every rank's summed is finite, if the caller
+        agreed it already (else one small allreduce here); if not, the step is skipped on
+        every rank and nothing changes."""
+        if finite is None:
+            bad = 0.0 if bool(get_array_module(summed).isfinite(summed).all()) else 1.0
+            finite = self.comm.comm.allreduce(bad) == 0
+        if not finite:
+            return StepInfo(True, "non-finite gradients", self.opt.step_count, self.opt.lr)
+        m = self.ex.allgather(summed)
+        lo = self.opt.offset
+        return self.opt.step(params, m[lo:lo + self.opt.count], reduce_norms, finite=True)
+
+    def step(self, params, grads, reduce_norms=None, finite: bool | None = None) -> StepInfo:
+        """1.-4. with this rank's whole gradient buffer (dp, ZeRO stage 1); grads is
+        overwritten with the local momentum. finite: as for finish (of the gradients)."""
+        self.begin()
+        if finite is False:
+            return StepInfo(True, "non-finite gradients", self.opt.step_count, self.opt.lr)
+        return self.finish(params, self.send(grads, 0), reduce_norms, finite)
+
+    # ---------------------------------------------------------------- checkpoints
+    def pieces(self, replica: int, replicas: int) -> dict:
+        """This rank's pieces of the exchange's state (keys in the module docstring)."""
+        out = compression_pieces(self.ex.worker, self.layout, replica, replicas)
+        res = self.ex.server.residual
+        if res is not None:
+            out.update(flat_pieces(SERVER_RESIDUAL, self.layout, res, self.ex.offset))
+        return out
+
+    def scalars(self) -> dict:
+        return {"compression": compression_scalars(self.ex.worker),
+                "onebit": {"server_step": self.ex.server.step,
+                           "server_config": self.ex.server.config()}}
+
+    def restore(self, source, buckets, replica: int, replicas: int) -> None:
+        """Load the exchange's state for the worker ranges `buckets` ([(offset, count)]):
+        worker residuals by engine.compression_state's rule, my chunk of the server residual
+        (any writer world size), counters; zeros where the checkpoint has none."""
+        ex = self.ex
+        restore_compression(ex.worker, source, self.layout, buckets, replica, replicas)
+        saved = source.scalars.get("onebit") or {}
+        keys = set(source.keys())
+        residual = None
+        if ex.count and all(f"{SERVER_RESIDUAL}/{self.layout.segments[i].name}" in keys
+                            for i, _, _ in self.layout.clip(ex.offset, ex.offset + ex.count)):
+            residual = np.zeros(ex.count, np.float32)
+            read_flat(source, SERVER_RESIDUAL, self.layout, residual, ex.offset)
+        same = saved.get("server_config") == ex.server.config()
+        sd = {"config": ex.server.config(), "step": int(saved.get("server_step", 0)) if same else 0,
+              "residual": residual}
+        ex.server.load_state_dict(sd)
+        ex.ready = False
+
