@@ -77,6 +77,8 @@ class Communicator:
     # algorithm="auto"'s decisions on this communicator, bytes reduced -> algorithm: the
     # tuner (collectives.autotune) puts its own dict here, read on every auto call
     auto_picks: Mapping[int, str] = MappingProxyType({})
+    # the flight recorder's record of the calls made on this communicator (collectives.flight)
+    flight_record = None
 
     def __init__(self, comm: MPI.Comm | None = None, *, ranks_per_node: int | None = None,
                  _node: int | None = None, _dup: bool = True):

@@ -39,7 +39,7 @@ GRACE = 4.0                     # seconds the reporter waits for the other ranks
 _SEQ, _SIG, _START, _END = range(4)     # an entry: [seq, signature, t_start, t_end or None]
 
 _state = {"timeout": None, "dir": None, "watchdog": None}
-_records: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_records: "weakref.WeakSet" = weakref.WeakSet()     # every live communicator's record
 _lock = threading.Lock()
 
 
@@ -53,7 +53,7 @@ class _Record:
         self.members = [int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.size)), world)]
         group.Free()
         world.Free()
-        ordinal = sum(r.members == self.members for r in list(_records.values()))
+        ordinal = sum(r.members == self.members for r in list(_records))
         self.key = format_ranks(self.members) + (f" (#{ordinal + 1})" if ordinal else "")
         self.calls: collections.deque = collections.deque(maxlen=RECORDS)
         self.seq = 0
@@ -69,10 +69,11 @@ def describe(signature) -> str:
 
 def begin(comm, signature) -> list:
     """Enter a call on comm (a Communicator); returns its entry for end()."""
-    rec = _records.get(comm)
+    rec = comm.flight_record
     if rec is None:
         with _lock:
-            rec = _records.setdefault(comm, _Record(comm))
+            rec = comm.flight_record = _Record(comm)
+            _records.add(rec)
         _start_watchdog()
     rec.seq += 1
     entry = [rec.seq, signature, time.time(), None]
@@ -88,7 +89,7 @@ def end(entry) -> None:
 
 def records(comm) -> list[dict]:
     """comm's recorded calls, oldest first: seq, call (described), start, end (None: running)."""
-    rec = _records.get(comm)
+    rec = comm.flight_record
     return [] if rec is None else [
         {"seq": e[_SEQ], "call": describe(e[_SIG]), "start": e[_START], "end": e[_END]}
         for e in list(rec.calls)]
@@ -163,7 +164,7 @@ def _watch(me: int) -> None:
 def _oldest_open(before: float):
     """(communicator key, entry) of the oldest call started before `before` and still open."""
     found = None
-    for rec in list(_records.values()):
+    for rec in list(_records):
         for e in list(rec.calls):
             if e[_END] is None and e[_START] < before and (found is None or e[_START] < found[1][_START]):
                 found = (rec.key, e)
@@ -186,7 +187,7 @@ def _dump(me: int, job: str, stuck) -> None:
     """Write this rank's records (and the call it is stuck in, if any) for the reporter."""
     comms = [{"key": rec.key, "members": rec.members,
               "calls": [[e[_SEQ], describe(e[_SIG]), e[_START], e[_END]] for e in list(rec.calls)]}
-             for rec in list(_records.values())]
+             for rec in list(_records)]
     data = {"job": job, "rank": me, "host": os.uname().nodename, "pid": os.getpid(),
             "time": time.time(), "stuck": None if stuck is None else [stuck[0], stuck[1][_SEQ]],
             "comms": comms}

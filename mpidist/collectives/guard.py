@@ -2,9 +2,9 @@
 algorithm) before any data moves, and raise together, naming the ranks that differ, instead
 of hanging in mismatched messages.
 
-Every call is checked, cheaply: one fixed-size integer MPI_Allreduce (MAX) of the signature's
-digest, its negation and an error flag. max(d) == -max(-d) exactly when every rank has the
-same digest, so a differing length, dtype, op, algorithm, kind of collective or call order is
+Every call is checked, cheaply: one two-word integer MPI_Allreduce (MAX) of the signature's
+digest d and -d (a rank with an argument error votes a value no digest takes). max(d) ==
+-max(-d) exactly when every rank has the same d, so a differing length, dtype, op, algorithm, kind of collective or call order is
 caught on any call, not only the first of a signature. Only when the check fails, or a rank
 has an argument error, do the ranks exchange their full signatures to say who differs.
 
@@ -17,10 +17,11 @@ accepted as older names of "on".
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import os
+import threading
 
-import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import flight
@@ -33,6 +34,13 @@ MODES = ("on", "off")
 _ALIASES = {"1": "on", "0": "off", "first": "on", "always": "on"}
 _state = {"mode": None}
 _digests: dict = {}             # signature -> its 62-bit digest, the same in every process
+_ERROR = 1 << 62                # a rank's vote when its own arguments are wrong
+_votes = threading.local()      # each thread's buffer for the check's MPI_Allreduce
+
+
+def _new_votes():
+    _votes.buf = array.array("q", (0, 0))
+    return _votes.buf
 
 
 def set_mode(mode: str) -> None:
@@ -75,11 +83,12 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
             raise error
         return None
     entry = flight.begin(comm, signature)      # from here on a hang is on the record
-    d = 0 if signature is None else _digest(signature)
-    votes = np.array([d, -d, error is not None], np.int64)
+    d = _ERROR if error is not None else _digests.get(signature) or _digest(signature)
+    votes = _votes.__dict__.get("buf") or _new_votes()
+    votes[0], votes[1] = d, -d
     try:
-        comm.comm.Allreduce(MPI.IN_PLACE, [votes, MPI.INT64_T], MPI.MAX)
-        if votes[2] or votes[0] != -votes[1]:
+        comm.comm.Allreduce(MPI.IN_PLACE, votes, MPI.MAX)
+        if votes[0] != -votes[1] or error is not None:
             _explain(comm, signature, error)
     except BaseException:
         flight.end(entry)
