@@ -1,0 +1,54 @@
+"""Numba CPU kernels for gradients arriving from a framework (mpidist.torch).
+
+A gradient handed over by autograd is copied into the flat buffer and checked for Inf/NaN
+in the same pass, so the finiteness of a step costs no pass of its own. Both work on the
+raw bits (uint32 for float32, uint16 for float16/bfloat16) with the dtype's exponent mask:
+an exponent field of all ones is an Inf or a NaN. An integer max vectorises; a float test
+does not.
+"""
+import numpy as np
+from numba import njit
+
+__all__ = ["EXPONENT_MASK", "copy_finite", "all_finite"]
+
+# exponent bits of each floating dtype, by name (bfloat16 is ml_dtypes')
+EXPONENT_MASK = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
+_OPTS = dict(fastmath=False, error_model="numpy", cache=True, nogil=True)
+
+
+@njit(**_OPTS)
+def _copy_max(dst, src, mask):
+    e = mask & 0
+    for i in range(src.shape[0]):
+        v = src[i]
+        dst[i] = v
+        e = max(e, v & mask)
+    return e
+
+
+@njit(**_OPTS)
+def _max(src, mask):
+    e = mask & 0
+    for i in range(src.shape[0]):
+        e = max(e, src[i] & mask)
+    return e
+
+
+def _bits(a):
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def _mask(a):
+    return (np.uint32 if a.dtype.itemsize == 4 else np.uint16)(EXPONENT_MASK[a.dtype.name])
+
+
+def copy_finite(dst: np.ndarray, src: np.ndarray) -> bool:
+    """dst[...] = src (1-D, same dtype); returns whether every element is finite."""
+    mask = _mask(src)
+    return _copy_max(_bits(dst), _bits(src), mask) != mask
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """Whether every element of the 1-D float array x is finite."""
+    mask = _mask(x)
+    return _max(_bits(x), mask) != mask
