@@ -1,0 +1,109 @@
+"""The simulated cluster: network namespaces as nodes, real TCP links between them.
+
+The launcher-marked tests build a 2 nodes x 2 ranks cluster (root and iproute2 needed; they
+skip with the reason elsewhere) and run tests/simcluster/cluster_check.py on it."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpidist import simcluster
+from mpidist.simcluster import SimCluster, parse_rate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def _need_namespaces():
+    reason = simcluster.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"no simulated cluster here: {reason}")
+
+
+def test_rates_parse_in_tc_syntax():
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("100mbit") == 1e8
+    assert parse_rate("2.5mbit") == 2.5e6
+    assert parse_rate(None) is None and parse_rate("none") is None
+    for bad in ("1gb", "fast", "-1mbit", "0mbit"):
+        with pytest.raises(ValueError, match="bandwidth"):
+            parse_rate(bad)
+
+
+def test_shape_is_checked_before_anything_is_made():
+    with pytest.raises(ValueError, match="nodes must be a positive int"):
+        SimCluster(0, 2)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        SimCluster(2, 1.5)
+    with pytest.raises(ValueError, match="250 nodes"):
+        SimCluster(300, 1)
+
+
+def test_without_root_start_fails_with_the_reason(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    cluster = SimCluster(2, 1)
+    with pytest.raises(RuntimeError, match="needs root"):
+        cluster.start()
+    assert cluster.workdir is None
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(300)
+def test_hierarchical_allreduce_and_parameter_server_across_nodes():
+    _need_namespaces()
+    n = 1 << 20                                   # float64: 8 MiB per allreduce
+    with SimCluster(nodes=2, ranks_per_node=2, bandwidth="1gbit") as cluster:
+        proc = cluster.run([sys.executable, os.path.join(HERE, "cluster_check.py"), str(n)],
+                           timeout=240, thread_level="serialized", capture_output=True,
+                           text=True, cwd=REPO)
+        names = cluster.node_ns
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line[0][len("RESULT "):])
+    # real nodes: detected by the shared-memory split, on distinct hosts
+    assert (got["size"], got["num_nodes"], got["node_sizes"]) == (4, 2, [2, 2])
+    assert got["simulated"] is False
+    assert got["hosts"] == sorted(names)
+    assert got["hierarchical_matches"] and got["ps_matches"]
+    assert got["ps_servers"] == [1, 3]                  # one server per node
+    # the inter-node phase moved 2 (N-1)/N x n bytes out of each node's NIC (n for N = 2)
+    assert len(got["nic_tx_bytes"]) == 2
+    for sent in got["nic_tx_bytes"]:
+        assert 0.95 * got["allreduce_bytes"] <= sent <= 1.5 * got["allreduce_bytes"], got
+
+
+def _namespaces():
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(120)
+def test_a_job_past_its_timeout_is_killed_and_everything_torn_down(tmp_path):
+    _need_namespaces()
+    pidfile = tmp_path / "pid"
+    cluster = SimCluster(nodes=2, ranks_per_node=1, bandwidth="100mbit")
+    with pytest.raises(subprocess.TimeoutExpired):
+        with cluster:
+            made = list(cluster.node_ns) + [cluster.hub]
+            assert set(made) <= set(_namespaces())
+            cluster.run(["sh", "-c", f'echo $$ >> {pidfile}; exec sleep 600'], timeout=8)
+    assert not set(made) & set(_namespaces())
+    pids = pidfile.read_text().split()
+    assert len(pids) == 2                      # one rank per node had started
+    deadline = time.monotonic() + 10           # SIGKILLed: gone once their parents reap them
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), pids
+
+
+def _alive(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
