@@ -12,6 +12,7 @@ get a plain `mpiexec -n N`.
 
     python -m mpidist.launcher -n 4 -- python -m pytest tests
     python -m mpidist.launcher -n 4 -- mpidist train jobs/digits_lamb.toml
+    python -m mpidist.launcher --ft -n 4 -- mpidist train JOB   (ULFM: from the FT environment)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["cma_permitted", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
+__all__ = ["cma_permitted", "ft_supported", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +50,18 @@ def mpi_vendor() -> str:
     if "hydra" in low or "mpich" in low:
         return "mpich"
     return "other"
+
+
+@functools.lru_cache(maxsize=None)
+def ft_supported() -> bool:
+    """Whether the MPI beside mpiexec has ULFM fault tolerance (its ompi_info says
+    "FT MPI support: yes": the PyPI Open MPI 5 wheel does, Debian's Open MPI 4.1 does not)."""
+    info = os.path.join(os.path.dirname(os.path.realpath(_mpiexec())), "ompi_info")
+    try:
+        out = subprocess.run([info], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "FT MPI support: yes" in out
 
 
 def _cma_probe() -> bool:
@@ -115,11 +128,6 @@ def mpi_env(n: int = 1, base: dict | None = None) -> dict:
             env.setdefault("OMPI_MCA_plm", "isolated")
         if not cma_permitted():       # a container forbids ptrace-based single copy
             env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        else:
-            # with CMA, one-sided windows go to osc/rdma over vader, whose 64-bit
-            # MPI_Compare_and_swap segfaults in Open MPI 4.x (open-mpi/ompi#7967, #11349);
-            # the parameter server needs it, so windows stay on osc/sm and osc/pt2pt
-            env.setdefault("OMPI_MCA_osc", "^rdma")
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
     env.setdefault("NUMBA_NUM_THREADS", str(max(1, cores // max(1, n))))
@@ -129,17 +137,21 @@ def mpi_env(n: int = 1, base: dict | None = None) -> dict:
     return env
 
 
-def mpiexec_argv(n: int, argv: list[str]) -> list[str]:
-    """The mpiexec command line that starts `argv` on n local ranks."""
+def mpiexec_argv(n: int, argv: list[str], ft: bool = False) -> list[str]:
+    """The mpiexec command line that starts `argv` on n local ranks (ft: with MPI's
+    fault-tolerance extension on, `--with-ft ulfm`, which Open MPI 5 has)."""
     if int(n) < 1:
         raise ValueError(f"number of ranks must be >= 1, got {n}")
     cmd = [_mpiexec()]
     if mpi_vendor() == "openmpi":
         cmd += ["--oversubscribe", "--bind-to", "none"]
+    if ft:
+        cmd += ["--with-ft", "ulfm"]
     return cmd + ["-n", str(int(n))] + list(argv)
 
 
-def run(n: int, argv: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+def run(n: int, argv: list[str], timeout: float | None = None, ft: bool = False,
+        **kwargs) -> subprocess.CompletedProcess:
     """Run argv on n ranks and wait, like subprocess.run (env: the base of mpi_env).
 
     The job runs in a session of its own: after `timeout` seconds, or on an interrupt, the
@@ -148,7 +160,7 @@ def run(n: int, argv: list[str], timeout: float | None = None, **kwargs) -> subp
     env = mpi_env(n, kwargs.pop("env", None))
     if kwargs.pop("capture_output", False):
         kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
-    with subprocess.Popen(mpiexec_argv(n, argv), env=env, start_new_session=True,
+    with subprocess.Popen(mpiexec_argv(n, argv, ft), env=env, start_new_session=True,
                           **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -197,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", "--np", type=int, default=4, help="number of ranks (default 4)")
     parser.add_argument("--env-only", action="store_true",
                         help="run the command once, without mpiexec, in the same environment")
+    parser.add_argument("--ft", action="store_true",
+                        help="MPI fault tolerance on (mpiexec --with-ft ulfm), for [job] fault_tolerance; "
+                             "needs Open MPI 5: the environment of MPIDIST_MPI=ompi5-ft scripts/setup_env.sh")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -204,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the command to run after --")
     if args.env_only:
         os.execvpe(command[0], command, mpi_env(1))
-    cmd = mpiexec_argv(args.np, command)
+    if args.ft and not ft_supported():
+        parser.error(f"--ft needs an MPI with fault tolerance (ULFM); {_mpiexec()} has none. Build the "
+                     "FT environment with `MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh` and run "
+                     "from it (source <its path>/bin/activate)")
+    cmd = mpiexec_argv(args.np, command, ft=args.ft)
     os.execvpe(cmd[0], cmd, mpi_env(args.np))
 
 

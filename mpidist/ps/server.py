@@ -14,8 +14,9 @@ No progress thread is used: MPI_THREAD_MULTIPLE is not assumed of the library.
 
 Server loop (one update = one epoch):
   1. read TICKET; if the consistency model is ready (BSP: one push per worker; ASP/SSP:
-     any push), close the epoch with Compare_and_swap(TICKET -> (epoch + 1) << 32), which
-     atomically moves later pushes to the other accumulation slot;
+     any push), close the epoch by swapping TICKET for (epoch + 1) << 32 (Fetch_and_op
+     REPLACE), which atomically moves later pushes to the other accumulation slot and
+     returns the closed epoch's tickets;
   2. wait until the closed slot's DONE counter equals the tickets it had (bounded wait);
   3. drain: copy the slot's gradient sum and per-worker counts, zero them;
   4. apply the optimizer to the shard (gradient sum / W when averaging);
@@ -139,13 +140,13 @@ class ShardServer:
             stopped = np.maximum(fin, paused)
             word = wins.read(self.me, TICKET)
             epoch, entries = unpack_ticket(word)
-            if self.consistency.model == "bsp" and entries > W:
-                raise RuntimeError(f"BSP protocol violated: {entries} pushes in step {epoch} "
-                                   f"for {W} workers")
             if self.consistency.server_ready(entries, W):
-                # 1. close the epoch: later pushes go to the other slot
-                if wins.compare_and_swap(self.me, TICKET, word, pack_ticket(epoch + 1, 0)) != word:
-                    continue                      # a ticket was taken meanwhile: read again
+                # 1. close the epoch: later pushes go to the other slot; the swap returns
+                #    every ticket of this epoch, including any taken since the read above
+                epoch, entries = unpack_ticket(wins.swap(self.me, TICKET, pack_ticket(epoch + 1, 0)))
+                if self.consistency.model == "bsp" and entries > W:
+                    raise RuntimeError(f"BSP protocol violated: {entries} pushes in step {epoch} "
+                                       f"for {W} workers")
                 self._update(epoch & 1, entries)
                 idle.reset()
                 continue

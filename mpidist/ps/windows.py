@@ -124,13 +124,11 @@ class Windows:
     def read(self, target: int, index: int) -> int:
         return self.fetch_op(target, index, 0, MPI.NO_OP)
 
-    def compare_and_swap(self, target: int, index: int, expected: int, new: int) -> int:
-        """Atomic compare-and-swap; returns the old value (== expected when it swapped)."""
-        res = np.zeros(1, np.int64)
-        self.ctrl.Compare_and_swap(np.array([new], np.int64), np.array([expected], np.int64),
-                                   res, target, index)
-        self.ctrl.Flush(target)
-        return int(res[0])
+    def swap(self, target: int, index: int, new: int) -> int:
+        """Atomic swap (Fetch_and_op REPLACE); returns the old value. Not Compare_and_swap:
+        Open MPI 4.x's osc/rdma, the default one-sided component where single-copy (CMA) is
+        permitted, crashes in a 64-bit MPI_Compare_and_swap."""
+        return self.fetch_op(target, index, new, MPI.REPLACE)
 
     def read_words(self, target: int, index: int, n: int, out: np.ndarray | None = None,
                    flush: bool = True) -> np.ndarray:
