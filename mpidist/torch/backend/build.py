@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["load", "extension_dir", "SOURCE", "NAME"]
+__all__ = ["load", "unavailable", "extension_dir", "SOURCE", "NAME"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend.cpp")
 NAME = "mpidist_torch_backend"
@@ -46,6 +46,14 @@ def _import(lib: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def unavailable() -> str | None:
+    """Why the extension can not be had here (no build cached and no compiler), or None."""
+    if os.path.exists(_library(extension_dir())):
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    return None if shutil.which(compiler) else f"no build cached and no C++ compiler ({compiler})"
 
 
 def _check_toolchain() -> None:

@@ -1,0 +1,155 @@
+"""The "mpidist" torch.distributed backend: DDP, FSDP2, DeviceMesh and
+torch.distributed.checkpoint run on mpidist's collectives over an mpi4py communicator, on a
+stock torch (whose wheels have no MPI backend), with no MASTER_ADDR/PORT to set.
+
+    from mpidist.torch.backend import init_process_group
+    init_process_group()              # was: torch.distributed.init_process_group("gloo")
+    model = DistributedDataParallel(model)
+
+Under mpiexec/srun, ranks and world size come from MPI. The process group works on a private
+duplicate of `comm` (default COMM_WORLD), so a host code's own messages stay apart;
+`new_group` and DeviceMesh dimensions become MPI sub-communicators of it. Allreduces use
+mpidist's algorithm choice ("auto", or one named per process group). CPU tensors.
+
+torch 2.x has no C++ backend base that Python can subclass, and DDP's reducer needs one, so
+a small C++ extension (backend.cpp) derives from c10d::Backend and forwards each collective
+to Python (group.Group). It is compiled on first use per torch version and cached
+(build.py); importing this module compiles nothing.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from mpidist.collectives.registry import algorithm_names
+from mpidist.comm import Communicator
+from mpidist.torch.backend import build
+from mpidist.torch.backend.group import Group
+
+__all__ = ["NAME", "register", "init_process_group", "Group"]
+
+NAME = "mpidist"
+_lock = threading.Lock()
+_state = {"registered": False, "comm": None, "algorithm": "auto", "world": None}
+
+
+def register(*, rendezvous_env: bool = True) -> None:
+    """Register the "mpidist" backend with torch.distributed (idempotent).
+
+    rendezvous_env: also fill RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from
+    MPI where they are unset (collective over COMM_WORLD: rank 0 picks a free port), so a
+    plain `torch.distributed.init_process_group("mpidist")` works under mpiexec.
+    """
+    with _lock:
+        if not _state["registered"]:
+            dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+            _state["registered"] = True
+    if rendezvous_env:
+        for key, value in _rendezvous(MPI.COMM_WORLD).items():
+            os.environ.setdefault(key, str(value))
+
+
+def init_process_group(comm: MPI.Comm | None = None, *, algorithm: str = "auto",
+                       timeout: timedelta | None = None, **kwargs) -> None:
+    """torch.distributed.init_process_group over "mpidist" on (a duplicate of) `comm`.
+
+    comm: an mpi4py communicator (default COMM_WORLD); torch's rank and world size are its
+    own. algorithm: mpidist's allreduce algorithm for every process group created later
+    (`new_group(..., pg_options={"algorithm": name})` picks one per group). Other keyword
+    arguments go to torch.distributed.init_process_group. Collective over comm.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        raise TypeError(f"comm must be an mpi4py communicator (not COMM_NULL), got {comm!r}")
+    _check_algorithm(algorithm)
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised; call "
+                           "torch.distributed.destroy_process_group() first")
+    register(rendezvous_env=False)
+    r = _rendezvous(comm)
+    store = dist.TCPStore(r["MASTER_ADDR"], int(r["MASTER_PORT"]), comm.Get_size(),
+                          is_master=comm.Get_rank() == 0, wait_for_workers=False,
+                          **({} if timeout is None else {"timeout": timeout}))
+    _state.update(comm=comm, algorithm=algorithm)
+    dist.init_process_group(NAME, store=store, rank=comm.Get_rank(),
+                            world_size=comm.Get_size(), timeout=timeout, **kwargs)
+
+
+def _rendezvous(comm: MPI.Comm) -> dict:
+    """Rank, size, local rank and rank 0's address with a free port, agreed over a
+    duplicate of comm (collective)."""
+    c = comm.Dup()
+    try:
+        host = socket.gethostname()
+        hosts = c.allgather(host)
+        port = None
+        if c.Get_rank() == 0:
+            with socket.socket() as s:           # a free port: bind 0, read it, release
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        port = c.bcast(port, root=0)
+        local = c.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = local.Get_rank()
+        local.Free()
+        addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+        return {"RANK": c.Get_rank(), "WORLD_SIZE": c.Get_size(), "LOCAL_RANK": local_rank,
+                "MASTER_ADDR": addr, "MASTER_PORT": port}
+    finally:
+        c.Free()
+
+
+def _check_algorithm(name) -> str:
+    if name not in algorithm_names():
+        raise ValueError(f"unknown allreduce algorithm {name!r}; valid: "
+                         f"{', '.join(algorithm_names())}")
+    return name
+
+
+def _algorithm(options) -> str:
+    """The algorithm of a new group: pg_options={"algorithm": name}, else the default."""
+    if options is None:
+        return _state["algorithm"]
+    if not isinstance(options, dict) or set(options) - {"algorithm"}:
+        raise ValueError(f"the mpidist backend's pg_options is a dict with the key "
+                         f"'algorithm', got {options!r}")
+    return _check_algorithm(options.get("algorithm", _state["algorithm"]))
+
+
+def _create(opts, pg_options):
+    """torch's factory (extended API): the Backend of a new process group.
+
+    The default group duplicates the chosen communicator; a subgroup (new_group, a DeviceMesh
+    dimension) is created from it by its members alone (MPI_Comm_create_group), as torch
+    calls this only on the members.
+    """
+    ranks = list(opts.global_ranks_in_group)
+    if not ranks or _state["world"] is None:
+        base = _state["comm"] or MPI.COMM_WORLD
+        _state["comm"] = None                     # used once: a later default is COMM_WORLD
+        comm = Communicator(base)
+        if _state["world"] is not None:           # the previous default group's
+            _state["world"].Free()
+        _state["world"] = comm.comm.Dup()         # subgroups are cut from this one
+    else:
+        world = _state["world"]
+        sub = world.Create_group(world.Get_group().Incl(ranks))
+        comm = Communicator(sub)
+        sub.Free()
+    error = None
+    try:
+        if (opts.group_rank, opts.group_size) != (comm.rank, comm.size):
+            raise RuntimeError(
+                f"torch gave this process rank {opts.group_rank} of {opts.group_size} but MPI "
+                f"says {comm.rank} of {comm.size}; unset RANK/WORLD_SIZE or use "
+                f"mpidist.torch.backend.init_process_group()")
+        algorithm = _algorithm(pg_options)
+        ext = build.load()
+    except (RuntimeError, ValueError, OSError) as exc:
+        error = exc
+    comm.raise_if_any(error)
+    return ext.create_backend(comm.rank, comm.size, Group(comm, algorithm))
