@@ -199,24 +199,30 @@ ELEMS = 1 << 15    # elements per work item of the segment-free local momentum
 
 
 @njit(parallel=True, **_OPTS)
-def onebit_momentum(m, g, b1, mult):
-    """The local momentum of the compression stage, in place over g (float32):
-        g = b1*m + (1-b1)*(mult*g)
-    m: the momentum every rank shares (the last exchange's), g: this rank's gradient."""
+def onebit_momentum(m, g, den, b1, mult):
+    """The local momentum of the compression stage in the frozen variance's scale, in place
+    over g (float32):
+        g = (b1*m + (1-b1)*(mult*g)) / den      (0 where den = 0)
+    m: the momentum every rank shares (the last exchange's), g: this rank's gradient, den:
+    the frozen denominator (or ones, for the momentum as it is)."""
     B1, C1, M = f32(b1), f32(1.0 - b1), f32(mult)
     n = g.shape[0]
     for c in prange((n + ELEMS - 1) // ELEMS):
         a, b = c * ELEMS, min(n, (c + 1) * ELEMS)
-        mw, gw = m[a:b], g[a:b]
+        mw, gw, dw = m[a:b], g[a:b], den[a:b]
         for i in range(b - a):
-            gw[i] = B1 * mw[i] + C1 * (M * gw[i])
+            d = dw[i]
+            gw[i] = (B1 * mw[i] + C1 * (M * gw[i])) / d if d > 0 else f32(0.0)
 
 
 @njit(parallel=True, **_OPTS)
 def onebit_adam_update(p, m, v, mstate, lo, hi, seg, seg_wd, seg_c, bc1, bc2, eps):
     """1-bit Adam after the warm-up, one pass (v frozen, m the exchanged momentum):
-        r = (m/bc1) / (sqrt(v/bc2) + eps) ;  w -= c_s * (r + wd_s*w) ;  mstate = m
-    bc2 is the frozen variance's correction, 1 - b2^freeze_step."""
+        r = (m/bc1) / (sqrt(v/bc2) + eps)   (0 where v = 0) ;  w -= c_s * (r + wd_s*w)
+        mstate = m
+    bc2 is the frozen variance's correction, 1 - b2^freeze_step. Where v = 0 no gradient
+    was ever seen (an input that is always 0): there the compressed momentum is only
+    compression noise (signs cannot say 0), and divided by eps it would be a huge step."""
     D1, D2, E = f32(bc1), f32(bc2), f32(eps)
     for c in prange(lo.shape[0]):
         a, b = lo[c], hi[c]
@@ -225,7 +231,8 @@ def onebit_adam_update(p, m, v, mstate, lo, hi, seg, seg_wd, seg_c, bc1, bc2, ep
         for i in range(b - a):
             w = pw[i]
             mi = mw[i]
-            r = (mi / D1) / (np.sqrt(vw[i] / D2) + E)
+            vi = vw[i]
+            r = (mi / D1) / (np.sqrt(vi / D2) + E) if vi > 0 else f32(0.0)
             sw[i] = mi
             pw[i] = w - cs * (r + wd * w)
 
@@ -235,12 +242,13 @@ def _onebit_lamb_dir(w, m, m_old, v, vf, B1, C1, B2, C2, D1, D2, D2F, E, wd):
     """One element of 1-bit LAMB's compression stage (float32; written once):
         g   = (m - b1*m_old) / (1-b1)                   the gradient the momentum implies
         vf  = b2*vf + (1-b2)*g^2                        the fresh variance goes on
-        den = sqrt(v/bc2_frozen) + eps ;  r = (m/bc1) / den ;  u = r + wd_s*w
+        den = sqrt(v/bc2_frozen) + eps ;  r = (m/bc1) / den  (0 where v = 0: see
+        onebit_adam_update) ;  u = r + wd_s*w
         ratio = den / (sqrt(vf/bc2) + eps)              frozen over fresh denominator"""
     g = (m - B1 * m_old) / C1
     vf1 = B2 * vf + C2 * (g * g)
     den = np.sqrt(v / D2) + E
-    r = (m / D1) / den
+    r = (m / D1) / den if v > 0 else f32(0.0)
     return vf1, r, r + wd * w, den / (np.sqrt(vf1 / D2F) + E)
 
 
@@ -361,17 +369,17 @@ class CPUKernels:
         self._run(momentum_update, p, g, buf, self.lo, self.hi, self.seg, _f32(seg_wd),
                   _f32(seg_c), gscale, decay, mom, lr, nesterov, use_buf)
 
-    def onebit_momentum(self, m, g, b1, mult):
+    def onebit_momentum(self, m, g, den, b1, mult):
         n = int(g.shape[0])
         if n < PARALLEL_MIN:
             threads = numba.get_num_threads()
             numba.set_num_threads(1)
             try:
-                onebit_momentum(m, g, b1, mult)
+                onebit_momentum(m, g, den, b1, mult)
             finally:
                 numba.set_num_threads(threads)
         else:
-            onebit_momentum(m, g, b1, mult)
+            onebit_momentum(m, g, den, b1, mult)
 
     def onebit_adam_update(self, p, m, v, mstate, seg_wd, seg_c, bc1, bc2, eps):
         self._run(onebit_adam_update, p, m, v, mstate, self.lo, self.hi, self.seg,

@@ -13,7 +13,8 @@ chunk(n, r, size) (mpidist.partition):
   2. server: the owner of chunk r sums the pieces it received in rank order, divides by
      size, adds its server residual, compresses, and keeps what that dropped
   3. every rank gathers the owners' payloads (allgatherv) and decodes them into the whole
-     averaged momentum: the same bits on every rank, kept in `momentum`
+     averaged momentum: the same bits on every rank, kept in `momentum` (multiplied by
+     `scale` when the momenta were sent divided by it: 1-bit Adam's preconditioning)
 
 Bytes per rank: (size-1)/size of a payload to the owners, and (size-1) copies of its own
 chunk's payload to the others; with signs, 2(size-1)/size * n/8 bytes plus the scales,
@@ -32,7 +33,7 @@ from mpidist.compress.base import Compressor
 from mpidist.kernels.backend import get_array_module, synchronize, to_numpy
 from mpidist.partition import chunk
 
-__all__ = ["MomentumAllreduce"]
+__all__ = ["MomentumAllreduce", "allgather_shards"]
 
 
 class MomentumAllreduce:
@@ -84,9 +85,10 @@ class MomentumAllreduce:
         self._sent += self.worker.bytes_sent
         return out
 
-    def allgather(self, summed):
+    def allgather(self, summed, scale=None):
         """2.-3. (server side) summed: my chunk of the sum over ranks (what reduce_scatter
-        left here, all ranges added); returns `momentum`, the average, whole. Collective."""
+        left here, all ranges added); returns `momentum`, the average, whole, times scale
+        (n float32) if given. Collective."""
         p = self.comm.size
         xp = get_array_module(summed)
         if getattr(summed, "shape", None) != (self.count,):
@@ -115,6 +117,8 @@ class MomentumAllreduce:
                        for k, v in contexts[r].items()}
                 got = unpack(recv[displs[r]:displs[r] + sizes[r]], dtypes)
                 self.server.decode_add(tuple(xp.asarray(a) for a in got), ctx, part)
+        if scale is not None:
+            self.momentum *= scale
         self._sent += (p - 1) * int(msg.nbytes)
         self.bytes_sent, self._sent = self._sent, 0
         self.total_bytes_sent += self.bytes_sent
@@ -122,19 +126,10 @@ class MomentumAllreduce:
         return self.momentum
 
     def gather(self, shard, offset: int):
-        """The whole momentum from every rank's shard [offset, offset+len(shard)) of it,
-        uncompressed (after the warm-up, or a restart: the optimizers' exp_avg); shards
-        tile [0, n) in rank order. Collective; not counted in bytes_sent."""
-        xp = get_array_module(shard)
-        host = np.ascontiguousarray(to_numpy(shard), dtype=np.float32)
-        if host.shape[0] == self.n:
-            self.momentum = xp.asarray(host).copy() if xp is not np else host.copy()
-        else:
-            parts = self.comm.comm.allgather((int(offset), host))
-            full = np.zeros(self.n, np.float32)
-            for off, a in parts:
-                full[off:off + a.shape[0]] = a
-            self.momentum = xp.asarray(full) if xp is not np else full
+        """Set `momentum` to the whole of what every rank's shard [offset, offset+len)
+        holds, uncompressed (after the warm-up, or a restart: the optimizers' exp_avg).
+        Collective; not counted in bytes_sent."""
+        self.momentum = allgather_shards(self.comm, shard, offset, self.n)
         self.ready = True
         return self.momentum
 
@@ -154,3 +149,16 @@ class MomentumAllreduce:
         self.worker.load_state_dict(sd["worker"])
         self.server.load_state_dict(sd["server"])
         self.ready = False
+
+
+def allgather_shards(comm, shard, offset: int, n: int):
+    """The n-element float32 vector whose ranges [offset, offset+len(shard)) the ranks hold
+    (they tile [0, n)), whole on every rank; a shard that is already whole is copied."""
+    xp = get_array_module(shard)
+    host = np.ascontiguousarray(to_numpy(shard), dtype=np.float32)
+    if host.shape[0] == n:
+        return shard.astype(np.float32, copy=True)
+    full = np.zeros(n, np.float32)
+    for off, a in comm.comm.allgather((int(offset), host)):
+        full[off:off + a.shape[0]] = a
+    return full if xp is np else xp.asarray(full)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpidist.compress import MomentumAllreduce, make_compressor
+from mpidist.compress.momentum import allgather_shards
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.strategy import flat_pieces, read_flat
 from mpidist.kernels.backend import get_array_module
@@ -60,6 +61,7 @@ class OnebitDriver:
                                f"{optimizer.compressor!r}: {exc}")
         comm.raise_if_any(error)
         self.ex = ex
+        self.den = None         # the frozen denominator, whole (set by begin)
 
     @property
     def frozen(self) -> bool:
@@ -70,15 +72,22 @@ class OnebitDriver:
         return self.ex.bytes_sent
 
     def begin(self) -> None:
-        """Before a step's local momenta: the whole averaged momentum on this rank (gathered
-        from the optimizers' exp_avg after the warm-up or a load)."""
+        """Before a step's local momenta: the whole averaged momentum and the frozen
+        denominator on this rank (gathered from the optimizers' exp_avg and exp_avg_sq
+        after the warm-up or a load)."""
         if not self.ex.ready:
-            self.ex.gather(self.opt.state_buffers()["exp_avg"], self.opt.offset)
+            states = self.opt.state_buffers()
+            self.ex.gather(states["exp_avg"], self.opt.offset)
+            v = allgather_shards(self.comm, states["exp_avg_sq"], self.opt.offset,
+                                 self.layout.numel)
+            self.den = self.opt.frozen_denominator(v)
 
     def send(self, g, lo: int = 0):
-        """1.-2. In place g <- this rank's momentum over [lo, lo+len(g)); returns my
-        chunk's part of the compressed sum (NaN everywhere if any rank's g was not finite)."""
-        self.opt.local_momentum(self.ex.momentum[lo:lo + g.shape[0]], g, self.mult)
+        """1.-2. In place g <- this rank's momentum over [lo, lo+len(g)) in the frozen
+        denominator's scale; returns my chunk's part of the compressed sum (NaN everywhere
+        if any rank's g was not finite)."""
+        hi = lo + g.shape[0]
+        self.opt.local_momentum(self.ex.momentum[lo:hi], g, self.den[lo:hi], self.mult)
         return self.ex.reduce_scatter(g, lo)
 
     def finish(self, params, summed, reduce_norms=None, finite: bool | None = None) -> StepInfo:
@@ -91,7 +100,7 @@ class OnebitDriver:
             finite = self.comm.comm.allreduce(bad) == 0
         if not finite:
             return StepInfo(True, "non-finite gradients", self.opt.step_count, self.opt.lr)
-        m = self.ex.allgather(summed)
+        m = self.ex.allgather(summed, self.den)
         lo = self.opt.offset
         return self.opt.step(params, m[lo:lo + self.opt.count], reduce_norms, finite=True)
 

@@ -11,10 +11,23 @@ gradient. Both papers therefore run in two stages:
      local momentum m_i = b1*m + (1-b1)*g_i (`local_momentum`), the ranks average the m_i
      through a compressor with error feedback on the sending and the reducing side (the
      engine does that: mpidist.compress.momentum), and step() takes the averaged momentum m
-     in place of the gradient:
-       Adam:  w -= lr * ((m/bc1) / (sqrt(v/bc2_f) + eps) + wd*w)   bc2_f = 1 - b2^freeze_step
+     in place of the gradient.
+     With precondition=True (the default) what is compressed is m_i / den, den =
+     sqrt(v/bc2_f) + eps the frozen denominator (0 where v = 0: there m is 0), and the
+     average is multiplied back by den: the same average, but the compression error lands
+     evenly on the update m/den instead of being amplified 1/den-fold where v is small.
+     It is a per-element form of 1-bit LAMB's per-tensor momentum scaling (DeepSpeed's
+     scaling_coeff); on the digits job (LAMB, eps 1e-6) plain momentum diverged right
+     after the freeze: signs give the rarely-active inputs' weights the chunk's mean
+     momentum, which over their tiny sqrt(v) became huge steps.
+     Then:
+       Adam:  w -= lr * (r + wd*w),  r = (m/bc1) / (sqrt(v/bc2_f) + eps)
+              bc2_f = 1 - b2^freeze_step; r = 0 where v = 0 (no gradient ever reached the
+              element, e.g. an always-zero input: its momentum is compression noise only,
+              which signs cannot make 0, and over eps it would be a huge step; DeepSpeed
+              asks the user for such a mask, here the frozen variance gives it)
        LAMB:  g = (m - b1*m_old)/(1-b1) ;  vf = b2*vf + (1-b2)*g^2 ;  den = sqrt(v/bc2_f) + eps
-              r = (m/bc1)/den ;  u = r + wd*w
+              r = (m/bc1)/den (0 where v = 0) ;  u = r + wd*w
               factor_s = max over tensor s of den / (sqrt(vf/bc2) + eps)
               (with weight decay: factor*q + (1 - q), q = min(1, ||r_s|| / ||u_s||)),
               clipped to [factor_min, factor_max] and to within factor_threshold of the
@@ -42,7 +55,9 @@ __all__ = ["OnebitAdam", "OnebitLAMB", "ONEBIT_DEFAULTS"]
 ONEBIT_DEFAULTS = {"freeze_step": 100, "compressor": "sign"}
 
 
-def _check_onebit(freeze_step, compressor, compressor_options):
+def _check_onebit(freeze_step, compressor, compressor_options, precondition):
+    if not isinstance(precondition, bool):
+        raise TypeError(f"precondition must be true or false, got {precondition!r}")
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, numbers.Integral) or \
             freeze_step < 1:
         raise ValueError(f"freeze_step must be an integer >= 1 (uncompressed warm-up steps "
@@ -57,7 +72,7 @@ def _check_onebit(freeze_step, compressor, compressor_options):
     if options.get("error_feedback", True) is not True:
         raise ValueError("1-bit optimizers need error feedback on the momentum: leave "
                          "compressor_options.error_feedback unset (or true)")
-    return int(freeze_step), compressor, dict(options)
+    return int(freeze_step), compressor, dict(options), precondition
 
 
 class _Onebit:
@@ -65,9 +80,9 @@ class _Onebit:
 
     onebit = True
 
-    def _init_onebit(self, freeze_step, compressor, compressor_options):
-        self.freeze_step, self.compressor, self.compressor_options = _check_onebit(
-            freeze_step, compressor, compressor_options)
+    def _init_onebit(self, freeze_step, compressor, compressor_options, precondition):
+        self.freeze_step, self.compressor, self.compressor_options, self.precondition = \
+            _check_onebit(freeze_step, compressor, compressor_options, precondition)
         # the engine sets this for a shard (ZeRO): callable(per-segment array) -> the
         # element-wise maximum over the shards (1-bit LAMB's factor); None: my range is all
         self.reduce_max = None
@@ -79,7 +94,8 @@ class _Onebit:
 
     def _onebit_hyper(self) -> dict:
         return {"freeze_step": self.freeze_step, "compressor": self.compressor,
-                "compressor_options": dict(self.compressor_options)}
+                "compressor_options": dict(self.compressor_options),
+                "precondition": self.precondition}
 
     def frozen_corrections(self, t: int) -> tuple[float, float]:
         """(1 - b1^t, 1 - b2^freeze_step): the momentum's correction goes on, the frozen
@@ -89,24 +105,34 @@ class _Onebit:
             return 1.0, 1.0
         return 1.0 - b1 ** t, 1.0 - b2 ** self.freeze_step
 
-    def local_momentum(self, momentum, grads, mult: float = 1.0) -> None:
-        """In place: grads <- b1*momentum + (1-b1)*(mult*grads), this rank's momentum to
-        send (mult: what makes this rank's gradient an estimate of the average, e.g. the
-        rank count when gradients are summed over ranks; 1/loss_scale folds in here).
-        momentum and grads: float32 of one length, any range of the layout."""
+    def frozen_denominator(self, v):
+        """The scale the momentum is compressed in (float32, like v, which may be any
+        range): sqrt(v/bc2_f) + eps, 0 where v = 0; ones without preconditioning."""
+        xp = get_array_module(v)
+        if not self.precondition:
+            return xp.ones(v.shape, np.float32)
+        _, bc2 = self.frozen_corrections(self.freeze_step)
+        den = xp.sqrt(v / np.float32(bc2)) + np.float32(self.eps)
+        return xp.where(v > 0, den, np.float32(0.0)).astype(np.float32)
+
+    def local_momentum(self, momentum, grads, den, mult: float = 1.0) -> None:
+        """In place: grads <- (b1*momentum + (1-b1)*(mult*grads)) / den (0 where den = 0),
+        this rank's momentum to send in the frozen_denominator's scale (mult: what makes
+        this rank's gradient an estimate of the average, e.g. the rank count when gradients
+        are summed over ranks; 1/loss_scale folds in here). All float32 of one length, any
+        range of the layout."""
         if not self.frozen:
             raise RuntimeError(f"local_momentum is for the compression stage (from step "
                                f"{self.freeze_step}); this optimizer is at step "
                                f"{self.step_count}")
-        for what, a in (("momentum", momentum), ("grads", grads)):
+        for what, a in (("momentum", momentum), ("grads", grads), ("den", den)):
             if getattr(a, "dtype", None) != np.float32 or getattr(a, "ndim", 0) != 1:
                 raise TypeError(f"{what} must be a 1-D float32 array")
-        if momentum.shape != grads.shape:
-            raise ValueError(f"momentum {momentum.shape} and grads {grads.shape} differ in "
-                             f"length")
+            if a.shape != grads.shape:
+                raise ValueError(f"{what} {a.shape} and grads {grads.shape} differ in length")
         check_number("mult", mult, 0.0, lo_open=True)
         xp = get_array_module(grads)
-        self._kernels_for(xp).onebit_momentum(momentum, grads, self.betas[0], float(mult))
+        self._kernels_for(xp).onebit_momentum(momentum, grads, den, self.betas[0], float(mult))
 
 
 class OnebitAdam(_Onebit, AdamW):
@@ -116,8 +142,9 @@ class OnebitAdam(_Onebit, AdamW):
 
     def __init__(self, layout, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  bias_correction=True, exclude=(), freeze_step=ONEBIT_DEFAULTS["freeze_step"],
-                 compressor=ONEBIT_DEFAULTS["compressor"], compressor_options=None, **kw):
-        self._init_onebit(freeze_step, compressor, compressor_options)
+                 compressor=ONEBIT_DEFAULTS["compressor"], compressor_options=None,
+                 precondition=True, **kw):
+        self._init_onebit(freeze_step, compressor, compressor_options, precondition)
         super().__init__(layout, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          amsgrad=False, bias_correction=bias_correction, exclude=exclude, **kw)
 
@@ -150,8 +177,9 @@ class OnebitLAMB(_Onebit, LAMB):
                  bias_correction=True, phi_clamp=(0.0, np.inf), trust_clamp=(0.0, np.inf),
                  exclude=DEFAULT_EXCLUDE, freeze_step=ONEBIT_DEFAULTS["freeze_step"],
                  compressor=ONEBIT_DEFAULTS["compressor"], compressor_options=None,
-                 coeff_beta=0.9, factor_min=0.5, factor_max=4.0, factor_threshold=0.1, **kw):
-        self._init_onebit(freeze_step, compressor, compressor_options)
+                 precondition=True, coeff_beta=0.9, factor_min=0.5, factor_max=4.0,
+                 factor_threshold=0.1, **kw):
+        self._init_onebit(freeze_step, compressor, compressor_options, precondition)
         self.coeff_beta = check_number("coeff_beta", coeff_beta, 0.0, 1.0, hi_open=True)
         self.factor_min = check_number("factor_min", factor_min, 0.0, 1.0, lo_open=True)
         self.factor_max = check_number("factor_max", factor_max, 1.0, np.inf, hi_open=True)

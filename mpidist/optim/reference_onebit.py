@@ -59,8 +59,16 @@ class OnebitReference:
         if self.t <= h["freeze_step"]:
             return self._warmup(w, grads)
         b1, b2 = h["betas"]
-        # 1. each rank's local momentum: b1*m + (1-b1)*(size*g_i)
-        local = [f32(b1) * self.m + f32(1.0 - b1) * (f32(self.size) * g) for g in grads]
+        # 1. each rank's local momentum b1*m + (1-b1)*(size*g_i), divided by the frozen
+        #    denominator (0 where v = 0) with preconditioning
+        den = np.ones_like(self.v)
+        if h["precondition"]:
+            bc2 = 1.0 - b2 ** h["freeze_step"] if h["bias_correction"] else 1.0
+            den = np.where(self.v > 0, np.sqrt(self.v / f32(bc2)) + f32(h["eps"]), f32(0.0))
+        local = []
+        for g in grads:
+            x = f32(b1) * self.m + f32(1.0 - b1) * (f32(self.size) * g)
+            local.append(np.where(den > 0, x / np.where(den > 0, den, f32(1.0)), f32(0.0)))
         # 2. worker side: one compressed piece per owner (worker residuals kept)
         owners = [chunk(len(w), r, self.size) for r in range(self.size)]
         sent = [c.compress_pieces(x, owners) for c, x in zip(self.workers, local)]
@@ -74,7 +82,7 @@ class OnebitReference:
                 self.workers[r].decode_add(payload, sent[r][r][1], total)
             total = total * f32(1.0 / self.size)
             payload, ctx = self.servers[r].compress(total)
-            self.m[off:off + cnt] = self.servers[r].decompress(payload, ctx)
+            self.m[off:off + cnt] = self.servers[r].decompress(payload, ctx) * den[off:off + cnt]
         # 4. the update with the frozen variance
         return self._frozen(w, m_old)
 
@@ -119,7 +127,7 @@ class OnebitReference:
             ws, m, v = w[sl], self.m[sl], self.v[sl]
             wd = f32(self.wd(s))
             den = np.sqrt(v / f32(bc2)) + eps
-            r = (m / f32(bc1)) / den
+            r = np.where(v > 0, (m / f32(bc1)) / den, f32(0.0))   # v = 0: never a gradient
             if self.name == "onebit_adam":
                 ws -= f32(h["lr"]) * (r + wd * ws)
                 continue

@@ -16,14 +16,19 @@ COMPRESSORS = [("sign", {"chunk": 32}), ("topk", {"ratio": 0.1}), ("randomk", {"
                ("qsgd", {"levels": 7, "error_feedback": True})]
 CASES = [("onebit_adam", {}), ("onebit_adam", {"weight_decay": 0.1, "exclude": ("*bias",)}),
          ("onebit_lamb", {}), ("onebit_lamb", {"weight_decay": 0.1, "bias_correction": False}),
-         ("onebit_lamb", {"factor_threshold": 0.3, "exclude": ()})]
+         ("onebit_lamb", {"factor_threshold": 0.3, "exclude": ()}),
+         ("onebit_adam", {"precondition": False}), ("onebit_lamb", {"precondition": False})]
 STEPS, FREEZE = 100, 10
 
 
 def grads_of(step, size, n):
-    """Every rank's gradient of this step (the same draws on every rank)."""
+    """Every rank's gradient of this step (the same draws on every rank); the first 20
+    elements never get one (an always-zero input: v = 0 there)."""
     rng = np.random.default_rng(1000 + step)
-    return [(rng.standard_normal(n) * 0.05 + 0.02).astype(np.float32) for _ in range(size)]
+    out = [(rng.standard_normal(n) * 0.05 + 0.02).astype(np.float32) for _ in range(size)]
+    for g in out:
+        g[:20] = 0
+    return out
 
 
 def run(comm, name, hyper, cname, copts, steps=STEPS, opt=None, ex=None, start=0, p=None):
@@ -45,9 +50,10 @@ def run(comm, name, hyper, cname, copts, steps=STEPS, opt=None, ex=None, start=0
         else:
             if not ex.ready:
                 ex.gather(opt.state_buffers()["exp_avg"], opt.offset)
+            den = opt.frozen_denominator(opt.state_buffers()["exp_avg_sq"])
             mine = grads[comm.rank].copy()
-            opt.local_momentum(ex.momentum, mine, size)
-            m = ex.allgather(ex.reduce_scatter(mine))
+            opt.local_momentum(ex.momentum, mine, den, size)
+            m = ex.allgather(ex.reduce_scatter(mine), den)
             info = opt.step(p, m, finite=True)
         assert not info.skipped
         coeffs.append(info.trust_ratios)
