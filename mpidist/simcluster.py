@@ -302,6 +302,16 @@ class SimCluster:
                 raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
+    def nic_counters(self) -> list[tuple[int, int]]:
+        """(tx, rx) bytes of every node's NIC so far, read from outside the job."""
+        out = []
+        for ns in self.node_ns:
+            base = ["ip", "netns", "exec", ns, "cat"]
+            tx, rx = (int(_run(base + [f"/sys/class/net/{NIC}/statistics/{d}_bytes"]).stdout)
+                      for d in ("tx", "rx"))
+            out.append((tx, rx))
+        return out
+
     def _kill_processes(self) -> None:
         for ns in self._made:
             pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
