@@ -262,6 +262,9 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
     errors += _fault_tolerance_errors(cfg, given_keys["job"])
     found = _check_optimizer(cfg["optim"])
     errors += found or _check_momentum(cfg)
+    if not found:       # a 1-bit optimizer: its momentum compressor and where it can run
+        from mpidist.engine.onebit import config_errors
+        errors += config_errors(cfg)
     if not errors:
         errors += _check_model(cfg)
 
