@@ -33,7 +33,22 @@ from mpidist.compress.base import Compressor
 from mpidist.kernels.backend import get_array_module, synchronize, to_numpy
 from mpidist.partition import chunk
 
-__all__ = ["MomentumAllreduce", "allgather_shards"]
+__all__ = ["MomentumAllreduce", "allgather_shards", "check_momentum_compressor"]
+
+
+def check_momentum_compressor(compressor) -> None:
+    """TypeError / ValueError unless compressor can carry the momentum: a Compressor with
+    error feedback whose payloads decode one by one (not PowerSGD)."""
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a Compressor (make_compressor(name, ...)), "
+                        f"got {type(compressor).__name__}")
+    if not compressor.error_feedback:
+        raise ValueError(f"the momentum compressor {compressor.name!r} needs error "
+                         f"feedback (error_feedback=True)")
+    if not compressor.decodes_alone:
+        raise ValueError(f"compressor {compressor.name!r} cannot compress the momentum: "
+                         f"its payloads only decode once summed over all ranks (use "
+                         f"sign, topk, randomk or qsgd)")
 
 
 class MomentumAllreduce:
@@ -46,16 +61,7 @@ class MomentumAllreduce:
     """
 
     def __init__(self, compressor: Compressor, n: int, comm=None, xp=np):
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a Compressor (make_compressor(name, ...)), "
-                            f"got {type(compressor).__name__}")
-        if not compressor.error_feedback:
-            raise ValueError(f"the momentum compressor {compressor.name!r} needs error "
-                             f"feedback (error_feedback=True)")
-        if not compressor.decodes_alone:
-            raise ValueError(f"compressor {compressor.name!r} cannot compress the momentum: "
-                             f"its payloads only decode once summed over all ranks (use "
-                             f"sign, topk, randomk or qsgd)")
+        check_momentum_compressor(compressor)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
             raise ValueError(f"n must be an integer >= 0, got {n!r}")
         self.comm = as_communicator(comm)

@@ -94,11 +94,15 @@ class DataParallel(Strategy):
         tensors = replicated_pieces("params", self.layout, self.params.data, r, s)
         for name, buf in sorted(self.optimizer.state_buffers().items()):
             tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, s))
-        scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name}
+        scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name,
+                   "optim_extra": self.optimizer.extra_state()}
         ca = self.dopt.compressed
         if ca is not None:          # this rank's residuals: one row per rank
             tensors.update(compression_pieces(ca, self.layout, r, s))
             scalars["compression"] = compression_scalars(ca)
+        if self.dopt.onebit is not None:     # the 1-bit momentum exchange's residuals
+            tensors.update(self.dopt.onebit.pieces(r, s))
+            scalars.update(self.dopt.onebit.scalars())
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
@@ -106,9 +110,13 @@ class DataParallel(Strategy):
         for name, buf in self.optimizer.state_buffers().items():
             read_flat(source, f"optim/{name}", self.layout, buf)
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
+        if "optim_extra" in source.scalars:
+            self.optimizer.load_extra_state(source.scalars["optim_extra"])
         if self.dopt.compressed is not None:
             restore_compression(self.dopt.compressed, source, self.layout,
                                 [(lo, hi - lo) for lo, hi in self.dopt.buckets], self.comm.rank, self.comm.size)
+        if self.dopt.onebit is not None:
+            self.dopt.onebit.restore(source, [(0, self.layout.numel)], self.comm.rank, self.comm.size)
         self.step = int(source.step)
         self.dopt.zero_grad()
 

@@ -26,13 +26,13 @@ from __future__ import annotations
 import numpy as np
 
 from mpidist.compress import MomentumAllreduce, make_compressor
-from mpidist.compress.momentum import allgather_shards
+from mpidist.compress.momentum import allgather_shards, check_momentum_compressor
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.strategy import flat_pieces, read_flat
 from mpidist.kernels.backend import get_array_module
 from mpidist.optim.base import StepInfo
 
-__all__ = ["OnebitDriver", "SERVER_RESIDUAL", "is_onebit"]
+__all__ = ["OnebitDriver", "SERVER_RESIDUAL", "is_onebit", "config_errors"]
 
 SERVER_RESIDUAL = "compress/server_residual"
 
@@ -144,4 +144,34 @@ class OnebitDriver:
               "residual": residual}
         ex.server.load_state_dict(sd)
         ex.ready = False
+
+
+
+def config_errors(cfg: dict) -> list[str]:
+    """What a job config asks of a 1-bit optimizer that cannot be done, as messages (none
+    for another optimizer): its compressor and options, gradient compression beside it,
+    strategies without data-parallel gradient averaging, accumulation in ZeRO stages 2, 3."""
+    from mpidist.flat import Layout
+    from mpidist.optim import build_optimizer
+
+    o, p = cfg["optim"], cfg["parallel"]
+    opt = build_optimizer(o["name"], Layout([("w", (2, 2)), ("b", (2,))]), lr=o["lr"], **o["hyper"])
+    if not is_onebit(opt):
+        return []
+    errors, where = [], f"[optim] name = {o['name']!r}"
+    try:
+        check_momentum_compressor(make_compressor(opt.compressor, **opt.compressor_options))
+    except (TypeError, ValueError) as exc:
+        errors.append(f"{where}: hyper.compressor = {opt.compressor!r}: {exc}")
+    if p["compression"] != "none":
+        errors.append(f"{where} compresses its own momentum after freeze_step; remove [parallel] "
+                      f"compression = {p['compression']!r}")
+    if p["strategy"] in ("ps", "admm"):
+        errors.append(f"{where} needs data-parallel gradient averaging (strategy dp, zero or "
+                      f"pipeline), not {p['strategy']!r}")
+    if p["strategy"] == "zero" and p["stage"] > 1 and p["accumulation"] > 1:
+        errors.append(f"{where} with zero stage {p['stage']} sends each micro-batch's buckets; "
+                      f"the local momentum needs the whole step's gradient: use accumulation = 1 "
+                      f"or stage 1")
+    return errors
 
