@@ -41,6 +41,7 @@ import torch
 from mpi4py import MPI
 
 from mpidist.collectives import allreduce_async
+from mpidist.collectives.window import SharedBuffer
 from mpidist.comm import as_communicator
 from mpidist.engine.distributed import make_buckets
 from mpidist.errors import MismatchError
@@ -234,7 +235,11 @@ class DistributedOptimizer:
         self.params = [p for _, p in named if p.requires_grad]
         self.frozen = [p for _, p in named if not p.requires_grad]
         self.layout = Layout((n, tuple(p.shape)) for n, p in named if p.requires_grad)
-        self._rehome()
+        dtype = numpy_dtype(self.params[0].dtype)
+        # gradients in a node's shared window are reduced where they lie (no copy in)
+        self.shared = SharedBuffer(self.layout.numel, dtype, c) if compression in (None, "none") \
+            and algorithm == "auto" and SharedBuffer.usable(c, dtype) else None
+        self._rehome(dtype)
         self.optimizer = self._build_optimizer(optimizer, hyper)
         self.compressed = None
         if compression not in (None, "none"):
@@ -264,11 +269,11 @@ class DistributedOptimizer:
             broadcast_optimizer_state(self.optimizer, 0, c)
 
     # ------------------------------------------------------------------ set-up
-    def _rehome(self) -> None:
+    def _rehome(self, dtype) -> None:
         """Move every trainable parameter and its gradient into the flat buffers."""
-        dtype = numpy_dtype(self.params[0].dtype)
         self.flat_params = np.empty(self.layout.numel, dtype)
-        self.flat_grads = np.zeros(self.layout.numel, dtype)
+        self.flat_grads = np.zeros(self.layout.numel, dtype) if self.shared is None \
+            else self.shared.data
         tp, tg = from_numpy(self.flat_params), from_numpy(self.flat_grads)
         self._gviews, self._gflat = [], []
         for s, p in zip(self.layout, self.params):
@@ -353,7 +358,9 @@ class DistributedOptimizer:
         while len(self._handles) < len(self.buckets) and self._pending[len(self._handles)] == 0:
             lo, hi = self.buckets[len(self._handles)]
             buf = self.flat_grads[lo:hi]
-            if self.compressed is not None:
+            if self.shared is not None:
+                h = self.shared.allreduce_async(lo, hi)
+            elif self.compressed is not None:
                 h = self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
             elif self.comm.size > 1:
                 h = allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
@@ -382,6 +389,8 @@ class DistributedOptimizer:
                     buf[...] = out
         if req is not None:
             req.Wait()
+        if self.shared is not None:
+            self.shared.fence()             # nobody reads my gradients any more
         self._synced = bool(flag[0] == 0.0)
         return self._synced
 
@@ -439,11 +448,20 @@ class DistributedOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
-    def remove_hooks(self) -> None:
-        """Detach from the model's backward (the parameters stay in the flat buffers)."""
+    def close(self) -> None:
+        """Collective: detach from the model's backward and free the shared window (the
+        gradients then live in a private copy; the parameters stay in the flat buffer)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.shared is not None:
+            grads = self.flat_grads.copy()
+            tg = from_numpy(grads)
+            for s, p in zip(self.layout, self.params):
+                p.grad = tg[s.offset:s.stop].view(s.shape)
+            self.flat_grads = grads
+            self.shared.free()
+            self.shared = None
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({len(self.params)} tensors, {self.layout.numel} "

@@ -1,0 +1,137 @@
+"""A flat buffer that lives in a node's shared-memory window, reduced where it lies.
+
+The shared-memory allreduce (shm.py) first copies each rank's input into a window slice.
+When the array is allocated in the window to begin with (a gradient buffer that backward
+writes into directly), that copy goes too. For a range [lo, hi) of the buffer:
+1. ready: barrier (every rank's range holds its final values);
+2. reduce: my chunk, chunk(hi - lo, rank, size) of the range, summed over every rank's
+   slice in rank order, block by block, written over my own slice's chunk (no other rank
+   reads that part of my slice);
+3. gather: barrier; copy every other rank's reduced chunk out of its slice.
+Memory traffic per rank: about n (p+1)/p + 2 n (p-1)/p bytes for n bytes, a third of the
+ring's, and two barriers. One rank reduces each chunk, in rank order, so every rank ends
+with the same bits. A third barrier (fence) must separate the last gather from the next
+writes into the buffer. Float32 and float64 only (half precision needs wider sums: use the
+collectives, which widen).
+
+The reductions run in order on a worker thread of the buffer's own, so they overlap with
+the caller's work, as allreduce_async does. Its barriers are counters in the window that
+the waiting thread polls with short sleeps: an MPI barrier would poll a core the caller's
+compute needs while the other ranks are still in backward.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.collectives import shm
+from mpidist.collectives.fusion import Handle
+from mpidist.comm import as_communicator
+from mpidist.partition import counts_displs
+
+__all__ = ["SharedBuffer", "DTYPES"]
+
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_BLOCK_BYTES = 256 << 10
+_HEADER = 64          # bytes before each rank's data: its barrier counter, alone in a line
+_SPINS = 64           # polls before the waiting thread starts sleeping between polls
+
+
+class SharedBuffer:
+    """A 1-D array of n elements per rank in one shared window (collective construction).
+
+    data: this rank's array. allreduce_async(lo, hi) sums data[lo:hi] over the ranks in
+    place and returns a Handle; fence() before writing into a range reduced since.
+    """
+
+    @staticmethod
+    def usable(comm, dtype) -> bool:
+        """One node, several ranks, and a dtype summed without widening."""
+        return shm.usable(as_communicator(comm)) and np.dtype(dtype) in DTYPES
+
+    def __init__(self, n: int, dtype=np.float32, comm=None):
+        c = as_communicator(comm)
+        dtype = np.dtype(dtype)
+        if not self.usable(c, dtype):
+            raise ValueError(f"a SharedBuffer needs several ranks on one node and float32 or "
+                             f"float64 data, got {c.size} rank(s) on {c.num_nodes} node(s), "
+                             f"{dtype}; check SharedBuffer.usable first")
+        self.comm = c.comm.Dup()                 # the worker's own channel
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        nbytes = _HEADER + int(n) * dtype.itemsize
+        self.win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        mem = [np.frombuffer(self.win.Shared_query(r)[0], np.uint8)[:nbytes]
+               for r in range(self.size)]
+        self.slices = [m[_HEADER:].view(dtype) for m in mem]
+        self._counters = [m[:8].view(np.int64) for m in mem]
+        self._counters[self.rank][0] = self._seq = 0
+        self.comm.Barrier()
+        self.data = self.slices[self.rank]
+        self.data[...] = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-window")
+        self._block = max(1, _BLOCK_BYTES // dtype.itemsize)
+        self._tmp = np.empty(self._block, dtype)
+
+    def _barrier(self) -> None:
+        """Make my stores visible, wait for everyone, then see theirs: each rank raises
+        its counter, then waits until every counter has reached its own."""
+        self._seq += 1
+        self.win.Sync()
+        self._counters[self.rank][0] = self._seq
+        for j, counter in enumerate(self._counters):
+            polls = 0
+            while counter[0] < self._seq:
+                polls += 1
+                if polls > _SPINS:
+                    time.sleep(20e-6)
+        self.win.Sync()
+
+    def _allreduce(self, lo: int, hi: int) -> None:
+        counts, displs = counts_displs(hi - lo, self.size)
+        a = lo + displs[self.rank]
+        b = a + counts[self.rank]
+        # 1. every rank's range is final
+        self._barrier()
+        # 2. my chunk summed in rank order over every slice, into my own slice
+        s = self.slices
+        for x in range(a, b, self._block):
+            y = min(x + self._block, b)
+            acc = self._tmp[:y - x]
+            np.add(s[0][x:y], s[1][x:y], out=acc)
+            for k in range(2, self.size):
+                np.add(acc, s[k][x:y], out=acc)
+            self.data[x:y] = acc
+        # 3. the other ranks' reduced chunks
+        self._barrier()
+        for j in range(self.size):
+            if j != self.rank:
+                x = lo + displs[j]
+                self.data[x:x + counts[j]] = s[j][x:x + counts[j]]
+
+    def allreduce_async(self, lo: int, hi: int) -> Handle:
+        """Start summing data[lo:hi] over the ranks (in submission order, collective: every
+        rank submits the same ranges in the same order); wait() returns that view."""
+        if not 0 <= lo <= hi <= self.data.shape[0]:
+            raise ValueError(f"range [{lo}, {hi}) is outside the buffer's "
+                             f"{self.data.shape[0]} elements")
+        fut = self._pool.submit(self._allreduce, int(lo), int(hi))
+        return Handle([fut], self.data[lo:hi])
+
+    def fence(self) -> None:
+        """Collective, after waiting for the reductions: no rank still reads my slice."""
+        self._pool.submit(self._barrier).result()
+
+    def free(self) -> None:
+        """Collective: end the worker and free the window."""
+        if self._pool is None:
+            return
+        self._pool.shutdown(wait=True)
+        self._pool = None
+        self.slices, self.data = [], None
+        self.win.Unlock_all()
+        self.win.Free()
+        self.comm.Free()
