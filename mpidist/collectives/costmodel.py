@@ -49,6 +49,7 @@ from mpi4py import MPI
 import mpidist
 from mpidist.collectives import shm
 from mpidist.collectives.ring import segment_bytes
+from mpidist.ft import ulfm
 
 __all__ = ["CostModel", "coefficients", "round_order", "time_rounds", "measure",
            "measure_all", "get_model", "install", "probe", "PROBE_SIZES", "cache_path",
@@ -242,6 +243,8 @@ class CostModel:
 
     def candidates(self) -> list[str]:
         names = [a for a in FLAT if a in self.levels["world"]["fits"]]
+        if ulfm.active():            # a model probed without fault tolerance may list shm
+            names = [a for a in names if a != "shm"]
         if "intra" in self.levels and "inter" in self.levels:
             names.append("hierarchical")
         return names

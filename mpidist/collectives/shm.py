@@ -32,6 +32,7 @@ from mpidist.collectives import ring
 from mpidist.collectives.ops import Op
 from mpidist.collectives.scratch import scratch
 from mpidist.comm import on_free
+from mpidist.ft import ulfm
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "usable"]
@@ -42,8 +43,9 @@ _lock = threading.Lock()
 
 
 def usable(comm) -> bool:
-    """One node (not simulated as several) and more than one rank."""
-    return comm.size > 1 and comm.num_nodes == 1
+    """One node (not simulated as several), more than one rank, and no fault tolerance
+    (ULFM does not cover shared-memory windows: a dead rank would hang the others)."""
+    return comm.size > 1 and comm.num_nodes == 1 and not ulfm.active()
 
 
 class _Window:

@@ -78,11 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         comm.comm.Abort(1)
     target = config["job"]["target_accuracy"]
+    code = 0
     if target and summary["test_accuracy"] < target:
         log.error("test accuracy %.4f is below job.target_accuracy = %.4f", summary["test_accuracy"], target)
-        return 1
-    comm.free()
-    return 0
+        code = 1
+    else:
+        comm.free()
+    if summary.get("recoveries"):         # a rank was lost: MPI_Finalize may hang (mpidist.ft)
+        from mpidist.ft.ulfm import exit_now
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,234 @@
+"""[job] fault_tolerance = "shrink": the training loop keeps going when a rank dies.
+
+The loop (engine.loop) runs its body through Resilience.run. When a collective anywhere in it
+raises a process failure (MPI_ERR_PROC_FAILED, or MPI_ERR_REVOKED once a survivor has
+revoked), every survivor:
+
+  1. revokes and shrinks      ulfm.shrink: pending operations fail everywhere, the survivors
+                              agree on a communicator without the dead ranks and get a new
+                              mpidist Communicator (node / inter-node communicators, worker
+                              threads, scratch and the guard's records start afresh)
+  2. agrees on the state      on the step to continue from and where its tensors come from:
+        dp                    every survivor holds a whole replica; they differ by at most the
+                              step in flight (some finished it before the others noticed), so
+                              the newest one is broadcast from the lowest rank holding it
+        zero, "neighbour"     after every step each rank keeps a copy of its shard and sends
+                              one to its right neighbour (the last two steps of each); the
+                              newest step whose every piece survives somewhere is assembled
+        zero, "checkpoint"    the newest checkpoint, read at the new size (the steps since
+                              it are redone); also the fallback when neighbours died together
+  3. rebuilds and continues   the loop body runs again on the new Communicator: strategy and
+                              partition, data split (the global batch stays the same, each
+                              survivor reads more rows), checkpoint hook, metrics writer (the
+                              new rank 0 takes over metrics and checkpoints); the strategy
+                              loads the agreed state before its first step
+
+A failure during a recovery starts another one. Each recovery is logged on rank 0 and listed
+in summary.json under "recoveries": the last step completed before it, the lost ranks (as
+ranks of the job at start), the new world size, the step continued from, the steps redone and
+the seconds from noticing the failure to the first step completed after it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import numpy as np
+
+from mpidist.engine.metrics import setup_logging
+from mpidist.engine.strategy import InMemoryState, replicated_pieces
+from mpidist.errors import ConfigError
+from mpidist.ft import ulfm
+
+__all__ = ["Resilience", "SHARD_ROUTES"]
+
+SHARD_ROUTES = ("neighbour", "checkpoint")
+log = logging.getLogger("mpidist")
+
+
+class Resilience:
+    """The loop's recovery hook. Construction is local; ULFM must be active (same on every
+    rank of a job, so the ConfigError is raised everywhere)."""
+
+    def __init__(self, config: dict, comm):
+        if not ulfm.active():
+            raise ConfigError("[job] fault_tolerance = 'shrink' needs MPI's fault-tolerance extension "
+                              "(ULFM), active in this job: build the FT environment with "
+                              "`MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh` and start the job from "
+                              "it with `python -m mpidist.launcher --ft -n N -- mpidist train ...` "
+                              "(or `mpiexec --with-ft ulfm ...`)")
+        self.comm = comm
+        zero = config["parallel"]["strategy"] == "zero"
+        self.route = config["job"]["shard_restore"] if zero else "replica"
+        self.recoveries: list[dict] = []
+        self._holder = None        # dp: what this rank restores from (a strategy or an InMemoryState)
+        self._mine: collections.deque = collections.deque(maxlen=2)    # zero: (step, pieces)
+        self._theirs: collections.deque = collections.deque(maxlen=2)  # the left neighbour's
+        self._restore = None       # what the next strategy loads: a state, "checkpoint" or None
+        self._pending: dict | None = None   # the recovery waiting for its first completed step
+
+    # ------------------------------------------------------------------ the loop's calls
+    def run(self, body, config: dict, *args) -> dict:
+        """body(config, comm, *args, resilience=self) until it returns, recovering from
+        every process failure it raises; returns its summary."""
+        while True:
+            try:
+                return body(config, self.comm, *args, resilience=self)
+            except Exception as exc:
+                if ulfm.failure_of(exc) is None:
+                    raise
+                self._recover(time.perf_counter())
+
+    def attach(self, strategy, hook) -> None:
+        """After the loop built strategy and hook: load the agreed state (after a failure),
+        then keep what a later recovery needs (collective)."""
+        if isinstance(self._restore, str):
+            if hook is None or not hook.resume(strategy):
+                if self.comm.rank == 0:
+                    log.warning("no checkpoint to restore from: continuing from step 0")
+        elif self._restore is not None:
+            strategy.load_state_dict(self._restore)
+        self._restore = None
+        if self._pending is not None:
+            self._pending["resumed_from"] = strategy.step
+            self._pending["steps_redone"] = self._pending.pop("completed") - strategy.step
+        self._holder = strategy
+        if self.route == "neighbour":
+            self._snapshot(strategy)
+
+    def after_step(self, strategy) -> None:
+        """After every completed step: keep this step's shard (zero, neighbour route) and
+        close the record of a recovery at its first completed step."""
+        if self.route == "neighbour":
+            self._snapshot(strategy)
+        if self._pending is not None:
+            rec, self._pending = self._pending, None
+            rec["seconds"] = round(time.perf_counter() - rec.pop("t_fail"), 3)
+            rec["done_at"] = time.time()        # wall clock, to match with outside records
+            self.recoveries.append(rec)
+            if self.comm.rank == 0:
+                log.warning("recovered: lost rank(s) %s after step %d; %d ranks now, continued from "
+                            "step %d (%d steps redone, state from %s); first step done %.2f s after "
+                            "the failure", ",".join(map(str, rec["lost_ranks"])), rec["step"],
+                            rec["new_size"], rec["resumed_from"], rec["steps_redone"], rec["restored_from"],
+                            rec["seconds"])
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, t_fail: float) -> None:
+        """Shrink (again, if another rank fails meanwhile) and agree on the state to load."""
+        lost: list[int] = []
+        # the steps this rank completed (a strategy's step moves only when a step is done)
+        completed = -1 if self._holder is None else self._holder.step
+        while True:
+            self.comm, gone = ulfm.shrink(self.comm)
+            lost += gone
+            setup_logging(self.comm.rank, self.comm.size)
+            try:
+                completed = max(self.comm.comm.allgather(completed))
+                source = self._agree()
+                break
+            except Exception as exc:
+                if ulfm.failure_of(exc) is None:
+                    raise
+        self._restore = source
+        rec = {"step": completed, "lost_ranks": sorted(lost), "new_size": self.comm.size,
+               "restored_from": "checkpoint" if isinstance(source, str) else
+               ("start" if source is None else self.route), "completed": completed, "t_fail": t_fail}
+        if self._pending is not None:          # failed again before a step completed: one record
+            rec["lost_ranks"] = sorted(self._pending["lost_ranks"] + rec["lost_ranks"])
+            rec["t_fail"] = self._pending["t_fail"]
+        self._pending = rec
+        if self.comm.rank == 0:
+            log.warning("lost rank(s) %s after step %d: continuing on %d ranks",
+                        ",".join(map(str, rec["lost_ranks"])), completed, self.comm.size)
+
+    def _agree(self):
+        """Collective over the survivors: the state the rebuilt strategy loads."""
+        if self.route == "checkpoint":
+            return "checkpoint"
+        if self.route == "neighbour":
+            return self._assemble_shards()
+        held = self._holder
+        steps = self.comm.comm.allgather(-1 if held is None else held.step)
+        best = max(steps)
+        if best < 0:
+            return None                  # failed before any strategy existed: start afresh
+        donor = steps.index(best)
+        state = None
+        if self.comm.rank == donor:
+            state = held if isinstance(held, InMemoryState) else replica(held)
+        state = self.comm.comm.bcast(state, root=donor)
+        self._holder = state
+        return state
+
+    # ------------------------------------------------------------------ zero: neighbour copies
+    def _snapshot(self, strategy) -> None:
+        """Keep my pieces of this step and swap copies with my neighbours (collective)."""
+        sd = strategy.state_dict()
+        mine = (sd.step, {k: (p.shape, p.offset, np.array(p.data, copy=True)) for k, p in sd.tensors.items()},
+                dict(sd.scalars))
+        self._mine.append(mine)
+        c = self.comm
+        if c.size > 1:
+            theirs = c.comm.sendrecv(mine, dest=(c.rank + 1) % c.size, source=(c.rank - 1) % c.size)
+            self._theirs.append(theirs)
+
+    def _assemble_shards(self):
+        """The newest step every piece of which some survivor holds, assembled whole on every
+        rank (an InMemoryState); "checkpoint" when there is none (neighbours died together)."""
+        held = list(self._mine) + list(self._theirs)
+        index = [(step, {k: (shape, off, data.size) for k, (shape, off, data) in pieces.items()})
+                 for step, pieces, _ in held]
+        everyone = self.comm.comm.allgather(index)
+        steps = sorted({s for idx in everyone for s, _ in idx}, reverse=True)
+        best = next((s for s in steps if _covered([p for idx in everyone for st, p in idx if st == s])), None)
+        if best is None:
+            if self.comm.rank == 0:
+                log.warning("the lost shards have no surviving copy: restoring from the last checkpoint")
+            return "checkpoint"
+        mine = [(pieces, scalars) for step, pieces, scalars in held if step == best]
+        gathered = self.comm.comm.allgather([p for p, _ in mine])
+        scalars = next((s for _, s in mine), None)
+        scalars = next(s for s in self.comm.comm.allgather(scalars) if s is not None)
+        tensors: dict = {}
+        shapes: dict = {}
+        for per_rank in gathered:
+            for pieces in per_rank:
+                for key, (shape, off, data) in pieces.items():
+                    full = tensors.setdefault(key, np.zeros(int(np.prod(shape)), dtype=data.dtype))
+                    full[off:off + data.size] = data
+                    shapes[key] = shape
+        return InMemoryState(best, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, scalars)
+
+
+def _covered(indexes: list[dict]) -> bool:
+    """Do these pieces ({key: (shape, offset, count)} per holder) cover every tensor whole?"""
+    spans: dict = {}
+    for idx in indexes:
+        for key, (shape, off, count) in idx.items():
+            spans.setdefault(key, [int(np.prod(shape))]).append((off, off + count))
+    if not spans:
+        return False
+    for numel, *parts in spans.values():
+        reach = 0
+        for lo, hi in sorted(parts):
+            if lo > reach:
+                return False
+            reach = max(reach, hi)
+        if reach < numel:
+            return False
+    return True
+
+
+def replica(strategy) -> InMemoryState:
+    """A data-parallel strategy's whole state (parameters, optimizer buffers and step) as an
+    InMemoryState its load_state_dict reads at any world size."""
+    bufs = [("params", strategy.params.data)]
+    bufs += [(f"optim/{name}", b) for name, b in sorted(strategy.optimizer.state_buffers().items())]
+    tensors = {}
+    for prefix, buf in bufs:
+        for key, piece in replicated_pieces(prefix, strategy.layout, buf, 0, 1).items():
+            tensors[key] = np.array(piece.data, copy=True).reshape(piece.shape)
+    return InMemoryState(strategy.step, tensors, {"optim_step": strategy.optimizer.step_count,
+                                                  "optim": strategy.optimizer.name})
