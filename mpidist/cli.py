@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
+
+from mpidist.launcher import unwired_launch
 
 __all__ = ["main", "info"]
 
 _DISPATCH = {
     "train": ("mpidist.engine.train", "run a training job from a TOML config: mpidist train CONFIG"),
     "explain": ("mpidist.collectives.select", "predicted vs measured time of every allreduce algorithm"),
+    "doctor": ("mpidist.doctor", "check this launch: one job, MPI library, threads, placement, GPUs, HDF5"),
 }
 
 
@@ -115,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpidist: unknown command {cmd!r}; commands: {', '.join(commands)}",
               file=sys.stderr)
         return 2
+    problem = unwired_launch()          # before MPI_Init, which would fail or run alone
+    if problem is not None:
+        if cmd == "doctor":
+            print(f"mpidist doctor: task {os.environ.get('SLURM_PROCID')} of an srun step\n"
+                  f"[FAIL] job  {problem}", flush=True)
+        else:
+            print(f"mpidist {cmd}: {problem}", file=sys.stderr, flush=True)
+        return 1
     try:
         if cmd == "info":
             return info(rest)

@@ -352,4 +352,4 @@ def _ompi_built_with_cuda() -> bool:
 
 def mpi_library() -> str:
     """The MPI library's own one-line version string."""
-    return MPI.Get_library_version().strip().splitlines()[0]
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 
-__all__ = ["cma_permitted", "ft_supported", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
+__all__ = ["cma_permitted", "ft_supported", "unwired_launch", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,6 +103,21 @@ def cma_permitted() -> bool:
                               timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+def unwired_launch(env: dict | None = None) -> str | None:
+    """Why this process, started as one task of several by srun, would not join the others
+    in one MPI job, or None. srun without a PMI plugin (`--mpi=none`, or a default of none)
+    gives the tasks no process-manager wiring: each MPI then fails to start or runs alone."""
+    env = os.environ if env is None else env
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or "1"         # an srun step's, not a batch script's
+    wired = any(env.get(v) for v in ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_RANK",
+                                     "PMI_ID", "MPI_LOCALRANKID"))
+    if not env.get("SLURM_PROCID") or wired or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    return (f"srun started {tasks} tasks without a PMI plugin: each would be an MPI job of its "
+            f"own (or fail in MPI_Init). Use `srun --mpi=pmix` (or pmi2; `srun --mpi=list` shows "
+            f"them, MpiDefault in slurm.conf sets one), or `mpirun` inside the allocation")
 
 
 def without_job_variables(env: dict) -> dict:

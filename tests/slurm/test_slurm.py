@@ -193,3 +193,14 @@ def test_bench_sweep_as_job_array(scheduler, tmp_path):
         found = list(tmp_path.glob(f"checkpoint/array-*/ranks-{n}/checkpoint.json"))
         assert len(found) == 1, sorted(str(p) for p in tmp_path.rglob("*"))
         assert json.loads(found[0].read_text())["ranks"] == n
+
+
+def test_doctor_under_srun(scheduler, tmp_path):
+    """`srun --mpi=none` starts unwired tasks: the doctor fails on each, saying what to use;
+    `srun --mpi=pmix` forms one job, which the doctor passes."""
+    doc = [sys.executable, "-m", "mpidist", "doctor"]
+    bad = sh("srun", "--mpi=none", "-n", "2", "-O", *doc, timeout=120, check=False)
+    assert bad.returncode != 0, bad.stdout + bad.stderr
+    assert bad.stdout.count("[FAIL] job") == 2 and "srun --mpi=pmix" in bad.stdout, bad.stdout
+    good = sh("srun", "--mpi=pmix", "-n", "2", "-O", *doc, timeout=120)
+    assert "2 ranks in one MPI job" in good.stdout and "[FAIL]" not in good.stdout, good.stdout
