@@ -377,10 +377,9 @@ class DistributedOptimizer:
         if self._synced is not None:
             return self._synced
         for i, p in enumerate(self.params):
-            if self._passes[i] < self.backward_passes_per_step and not self._errors:
+            if self._passes[i] < self.backward_passes_per_step:
                 self._grad_final(i, p, from_hook=False)
-        c.raise_if_any(RuntimeError("; ".join(self._errors)) if self._errors else None)
-        flag = np.array([0.0 if self._finite else 1.0])
+        flag = np.array([0.0 if self._finite else 1.0, float(len(self._errors))])
         req = c.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.SUM) if c.size > 1 else None
         for buf, h in self._handles:
             if h is not None:
@@ -391,6 +390,10 @@ class DistributedOptimizer:
             req.Wait()
         if self.shared is not None:
             self.shared.fence()             # nobody reads my gradients any more
+        if flag[1] > 0:                     # every bucket went out and came back first
+            error = RuntimeError("; ".join(self._errors)) if self._errors else None
+            self._new_round()
+            c.raise_if_any(error)
         self._synced = bool(flag[0] == 0.0)
         return self._synced
 
