@@ -60,6 +60,7 @@ def test_hierarchical_allreduce_and_parameter_server_across_nodes():
                            timeout=240, thread_level="serialized", capture_output=True,
                            text=True, cwd=REPO)
         names = cluster.node_ns
+        counters = cluster.nic_counters()       # read from outside, the whole job's bytes
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -74,6 +75,7 @@ def test_hierarchical_allreduce_and_parameter_server_across_nodes():
     assert len(got["nic_tx_bytes"]) == 2
     for sent in got["nic_tx_bytes"]:
         assert 0.95 * got["allreduce_bytes"] <= sent <= 1.5 * got["allreduce_bytes"], got
+    assert all(tx >= sent for (tx, _), sent in zip(counters, got["nic_tx_bytes"])), counters
 
 
 def _namespaces():
