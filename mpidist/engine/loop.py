@@ -84,6 +84,19 @@ def _agreed(comm, fn, *args):
     raise JobFailed("; ".join(f"rank(s) {','.join(rs)}: {m}" for m, rs in by_message.items())) from error
 
 
+# ranks that see different data would run different numbers of steps and hang
+_SAME_DATA = ("every rank must read the same dataset (a node-local copy that differs, or a "
+              "relative [data] path read from different directories?)")
+
+
+def _data_file_size(config: dict) -> int | None:
+    """The size of the file a rank reads its data from (None: data generated collectively),
+    compared across ranks before any rank opens it with collective MPI-IO."""
+    path = config["data"]["path"]
+    return os.path.getsize(path) if config["data"]["dataset"] in ("hdf5", "text") and path and \
+        os.path.exists(path) else None
+
+
 def evaluate(strategy, dataset, batch_size: int) -> dict:
     """Loss and accuracy over a whole split, every rank reading its rows of each batch."""
     sampler = DistributedSampler(dataset.n, batch_size, rank=strategy.data_rank, size=strategy.data_size,
@@ -98,6 +111,7 @@ def evaluate(strategy, dataset, batch_size: int) -> dict:
 def run(config: dict, comm) -> dict:
     """Collective: train as configured; returns the summary (also written to summary.json)."""
     t_start = time.perf_counter()
+    comm.check_same(_data_file_size(config), "the dataset file's size in bytes", _SAME_DATA)
     train, test, meta = _agreed(comm, build_datasets, config, comm)
     try:
         if config["job"]["fault_tolerance"] == "shrink":      # survive a lost rank (mpidist.ft)
@@ -111,10 +125,7 @@ def run(config: dict, comm) -> dict:
 def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilience=None) -> dict:
     job = config["job"]
     out_dir = job["out_dir"]
-    # ranks that see different data would run different numbers of steps and hang
-    comm.check_same((train.n, test.n), "the dataset's size (train, test samples)",
-                    "every rank must read the same dataset (a node-local copy that differs, or "
-                    "a relative [data] path read from different directories?)")
+    comm.check_same((train.n, test.n), "the dataset's size (train, test samples)", _SAME_DATA)
     per_epoch, total = _agreed(comm, total_steps, config, train.n)
     flight.set_directory(out_dir)
     if job["timeout"] is not None and "MPIDIST_TIMEOUT" not in os.environ:
