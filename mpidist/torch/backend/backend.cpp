@@ -21,7 +21,7 @@ namespace py = pybind11;
 namespace mpidist {
 
 // A collective in flight: done(None) completes it, done("message") fails it on wait().
-class MpidistWork : public c10d::Work {
+class __attribute__((visibility("hidden"))) MpidistWork : public c10d::Work {
  public:
   MpidistWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
       : Work(rank, type),
@@ -61,7 +61,7 @@ static std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>
   return out;
 }
 
-class MpidistBackend : public c10d::Backend {
+class __attribute__((visibility("hidden"))) MpidistBackend : public c10d::Backend {
  public:
   MpidistBackend(int rank, int size, py::object group)
       : Backend(rank, size), group_(std::move(group)) {}
@@ -77,6 +77,16 @@ class MpidistBackend : public c10d::Backend {
 
   const std::string getBackendName() const override {
     return "mpidist";
+  }
+
+  // destroy_process_group: finish queued work, free the group's communicators
+  void shutdown() override {
+    py::gil_scoped_acquire gil;
+    try {
+      group_.attr("shutdown")();
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(e.what());
+    }
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(

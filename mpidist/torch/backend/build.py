@@ -7,7 +7,7 @@ build it once: the first takes a file lock, the others wait and then import its 
 Nothing here runs on `import mpidist.torch`; the backend calls load() when a process group
 is created.
 
-    python -m mpidist.torch.backend.build      # build now (the test set-up does), print the path
+    python -m mpidist.torch.backend      # build now (the test set-up does), print the path
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["load", "unavailable", "extension_dir", "SOURCE", "NAME"]
+__all__ = ["load", "unavailable", "library", "extension_dir", "SOURCE", "NAME"]
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "backend.cpp")
 NAME = "mpidist_torch_backend"
@@ -37,8 +37,9 @@ def extension_dir() -> str:
     return os.path.join(root, f"{torch.__version__}-{digest.hexdigest()[:12]}")
 
 
-def _library(path: str) -> str:
-    return os.path.join(path, NAME + ".so")     # the name cpp_extension gives it
+def library() -> str:
+    """The path of the built extension (it may not exist yet)."""
+    return os.path.join(extension_dir(), NAME + ".so")     # the name cpp_extension gives it
 
 
 def _import(lib: str):
@@ -50,7 +51,7 @@ def _import(lib: str):
 
 def unavailable() -> str | None:
     """Why the extension can not be had here (no build cached and no compiler), or None."""
-    if os.path.exists(_library(extension_dir())):
+    if os.path.exists(library()):
         return None
     compiler = os.environ.get("CXX", "c++")
     return None if shutil.which(compiler) else f"no build cached and no C++ compiler ({compiler})"
@@ -63,7 +64,7 @@ def _check_toolchain() -> None:
             f"the mpidist torch backend compiles a small C++ extension once per torch version, "
             f"and no C++ compiler ({compiler!r}) is on PATH: install one (e.g. apt-get install "
             f"g++) or set CXX, or build it where a compiler exists with `python -m "
-            f"mpidist.torch.backend.build` and share {os.path.dirname(extension_dir())} "
+            f"mpidist.torch.backend` and share {os.path.dirname(extension_dir())} "
             f"(env MPIDIST_TORCH_EXT_DIR)")
     # the ninja that pip installs sits beside the interpreter, which may not be on PATH
     bindir = os.path.dirname(sys.executable)
@@ -79,7 +80,7 @@ def load(verbose: bool = False):
     if _loaded is not None:
         return _loaded
     path = extension_dir()
-    lib = _library(path)
+    lib = library()
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # one builder; the others wait, then import
@@ -92,7 +93,3 @@ def load(verbose: bool = False):
                                          extra_cflags=["-O2"], verbose=verbose)
     return _loaded
 
-
-if __name__ == "__main__":
-    load(verbose="-v" in sys.argv)
-    print(_library(extension_dir()))

@@ -1,0 +1,162 @@
+"""`mpidist bench torch_backend`: torch DDP over the "mpidist" backend against DDP over gloo.
+
+    mpidist bench torch_backend                      # runs itself on 2 and 4 ranks
+    mpidist bench torch_backend --ranks 2 --steps 30 --algorithm ring
+    python -m mpidist.launcher -n 2 -- mpidist bench torch_backend   # this world size only
+
+The same script and model for both (the MLP 1024-2048-2048-10, 6.3M parameters, --batch
+synthetic samples per rank, momentum SGD, DDP's default 25 MB buckets), one thread per rank;
+only the process group differs: "mpidist" (the default group, made by
+mpidist.torch.backend.init_process_group) or gloo (a group of the same ranks). The two
+models take turns step by step, each step after a barrier, so a change of the machine's load
+hits both alike. A step is zero_grad, forward, backward (DDP's bucket allreduces overlap it)
+and the optimizer; times are the slowest rank's, medians over the timed steps. Reported:
+samples/s and the ratio of mpidist's to gloo's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+__all__ = ["main"]
+
+VARIANTS = ("gloo", "mpidist")
+IN, HIDDEN, CLASSES = 1024, 2048, 10
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="mpidist bench torch_backend",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", default="2,4", help="world sizes to run (comma separated)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank")
+    p.add_argument("--algorithm", default="auto", help="mpidist allreduce algorithm")
+    p.add_argument("--out", default=os.path.join("results", "bench", "torch_backend"),
+                   help="output directory")
+    p.add_argument("--worker", action="store_true",
+                   help="measure at the current world size (under mpiexec)")
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _mlp():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _worker(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from mpidist.comm import Communicator
+    from mpidist.torch.backend import init_process_group
+
+    torch.set_num_threads(1)
+    comm = Communicator()                        # the bench's own barriers and timings
+    init_process_group(algorithm=args.algorithm)
+    groups = {"mpidist": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    gen = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(args.batch, IN, generator=gen)
+    y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
+    steps = {}
+    for name in VARIANTS:
+        model = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=groups[name])
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+
+        def step(model=model, opt=opt):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        steps[name] = step
+
+    times = {k: [] for k in steps}
+    for i in range(args.warmup + args.steps):
+        for k, fn in steps.items():
+            comm.comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i >= args.warmup:
+                times[k].append(time.perf_counter() - t0)
+    out = {"ranks": comm.size, "batch_per_rank": args.batch, "algorithm": args.algorithm,
+           "params": sum(p.numel() for p in _mlp().parameters())}
+    for k, rows in times.items():
+        slowest = np.empty(len(rows))
+        comm.comm.Allreduce(np.asarray(rows), slowest, op=MPI.MAX)
+        step = float(np.median(slowest))
+        out[k] = {"step": step, "samples_per_s": args.batch * comm.size / step}
+    dist.destroy_process_group()
+    comm.free()
+    return out
+
+
+def _run_sizes(args) -> list[dict]:
+    from mpidist.launcher import run
+    rows = []
+    for n in [int(r) for r in args.ranks.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.json")
+            argv = [sys.executable, "-m", "mpidist", "bench", "torch_backend", "--worker",
+                    "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                    "--batch", str(args.batch), "--algorithm", args.algorithm]
+            proc = run(n, argv, timeout=1800)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
+            with open(path) as fh:
+                rows.append(json.load(fh))
+    return rows
+
+
+def _report(rows, args) -> str:
+    head = f"{'ranks':>5} {'backend':>8} {'step ms':>8} {'samples/s':>10} {'vs gloo':>8}"
+    lines = [f"DDP, MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
+             f"batch {args.batch}/rank, momentum SGD, one thread per rank, {args.steps} timed "
+             f"steps alternated; mpidist algorithm {args.algorithm}", head, "-" * len(head)]
+    for r in rows:
+        for v in VARIANTS:
+            m = r[v]
+            ratio = m["samples_per_s"] / r["gloo"]["samples_per_s"]
+            lines.append(f"{r['ranks']:>5} {v:>8} {m['step'] * 1e3:>8.1f} "
+                         f"{m['samples_per_s']:>10.0f} {ratio:>7.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        import torch  # noqa: F401  (optional: the bench needs it, mpidist does not)
+    except ImportError:
+        print("mpidist bench torch_backend needs PyTorch: pip install 'mpidist[torch]'",
+              file=sys.stderr)
+        return 2
+    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+    if args.worker or launched:
+        result = _worker(args)
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(result, fh, indent=1)
+            else:
+                print(_report([result], args))
+        return 0
+    rows = _run_sizes(args)
+    text = _report(rows, args)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "torch_backend.json"), "w") as fh:
+        json.dump({"rows": rows, "args": vars(args)}, fh, indent=1)
+    with open(os.path.join(args.out, "torch_backend.txt"), "w") as fh:
+        fh.write(text + "\n")
+    print(f"wrote {args.out}/torch_backend.{{json,txt}}")
+    return 0
