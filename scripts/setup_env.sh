@@ -97,4 +97,9 @@ if [ "${MPIDIST_TORCH:-1}" != 0 ] && \
   log "installing torch==$torch_pin (CPU build) for mpidist.torch"
   "$venv/bin/pip" install -q "torch==$torch_pin" >&2 || log "WARNING: torch==$torch_pin could not be installed; the torch tests will skip"
 fi
+#    and ninja, with which torch compiles the "mpidist" backend's C++ extension (once per torch)
+if [ "${MPIDIST_TORCH:-1}" != 0 ] && [ ! -x "$venv/bin/ninja" ]; then
+  log "installing ninja (builds the mpidist torch backend's extension)"
+  "$venv/bin/pip" install -q "ninja==1.13.2" >&2 || log "WARNING: ninja could not be installed"
+fi
 echo "$venv"

@@ -11,6 +11,11 @@ venv=$(bash "$here/scripts/setup_env.sh" | tail -n 1) || { echo "environment set
 source "$venv/bin/activate"
 cd "$here"
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$HOME/.cache/mpidist/numba}
+# the torch backend's C++ extension, built once per torch version and cached, so that its
+# tests do not wait for the compiler
+if python -c 'import torch' 2>/dev/null; then
+  python -m mpidist.torch.backend >/dev/null || echo "[test] the mpidist torch backend did not build" >&2
+fi
 out=$(mktemp -d /tmp/mpidist-tests.XXXXXX)
 limit=${MPIDIST_TEST_RUN_LIMIT:-900}
 status=0
