@@ -62,6 +62,7 @@ class OnebitDriver:
         comm.raise_if_any(error)
         self.ex = ex
         self.den = None         # the frozen denominator, whole (set by begin)
+        self.summed = None      # my chunk of the compressed sum over ranks (this step)
 
     @property
     def frozen(self) -> bool:
@@ -74,43 +75,50 @@ class OnebitDriver:
     def begin(self) -> None:
         """Before a step's local momenta: the whole averaged momentum and the frozen
         denominator on this rank (gathered from the optimizers' exp_avg and exp_avg_sq
-        after the warm-up or a load)."""
+        after the warm-up or a load), and a zero sum for my chunk."""
         if not self.ex.ready:
             states = self.opt.state_buffers()
             self.ex.gather(states["exp_avg"], self.opt.offset)
             v = allgather_shards(self.comm, states["exp_avg_sq"], self.opt.offset,
                                  self.layout.numel)
             self.den = self.opt.frozen_denominator(v)
+        xp = get_array_module(self.ex.momentum)
+        if self.summed is None or get_array_module(self.summed) is not xp:
+            self.summed = xp.zeros(self.ex.count, np.float32)
+        self.summed[...] = 0
 
-    def send(self, g, lo: int = 0):
-        """1.-2. In place g <- this rank's momentum over [lo, lo+len(g)) in the frozen
-        denominator's scale; returns my chunk's part of the compressed sum (NaN everywhere
-        if any rank's g was not finite)."""
+    def send(self, g, lo: int = 0) -> None:
+        """1.-2. g: this rank's gradient over [lo, lo+len(g)) (float32; overwritten with its
+        momentum in the frozen denominator's scale); my chunk's part of the compressed sum
+        over ranks is added into `summed` (NaN if any rank's g was not finite)."""
         hi = lo + g.shape[0]
         self.opt.local_momentum(self.ex.momentum[lo:hi], g, self.den[lo:hi], self.mult)
-        return self.ex.reduce_scatter(g, lo)
+        part = self.ex.reduce_scatter(g, lo)
+        start = max(lo, self.ex.offset) - self.ex.offset
+        self.summed[start:start + part.shape[0]] += part
 
-    def finish(self, params, summed, reduce_norms=None, finite: bool | None = None) -> StepInfo:
-        """3.-4. summed: my chunk of the compressed sum, all ranges in; params: the
-        optimizer's range. finite: whether every rank's summed is finite, if the caller
-        agreed it already (else one small allreduce here); if not, the step is skipped on
-        every rank and nothing changes."""
+    def finish(self, params, reduce_norms=None, finite: bool | None = None) -> StepInfo:
+        """3.-4. After every range was sent: params (the optimizer's range) updated from the
+        average. finite: whether `summed` is finite on every rank, if the caller agreed it
+        already (else one small allreduce here); if not, the step is skipped on every rank
+        and nothing changes."""
         if finite is None:
-            bad = 0.0 if bool(get_array_module(summed).isfinite(summed).all()) else 1.0
+            bad = 0.0 if bool(get_array_module(self.summed).isfinite(self.summed).all()) else 1.0
             finite = self.comm.comm.allreduce(bad) == 0
         if not finite:
             return StepInfo(True, "non-finite gradients", self.opt.step_count, self.opt.lr)
-        m = self.ex.allgather(summed, self.den)
+        m = self.ex.allgather(self.summed, self.den)
         lo = self.opt.offset
         return self.opt.step(params, m[lo:lo + self.opt.count], reduce_norms, finite=True)
 
     def step(self, params, grads, reduce_norms=None, finite: bool | None = None) -> StepInfo:
-        """1.-4. with this rank's whole gradient buffer (dp, ZeRO stage 1); grads is
-        overwritten with the local momentum. finite: as for finish (of the gradients)."""
+        """1.-4. with this rank's whole gradient buffer (dp, ZeRO stage 1; float32, which
+        is overwritten). finite: as for finish (of the gradients)."""
         self.begin()
         if finite is False:
             return StepInfo(True, "non-finite gradients", self.opt.step_count, self.opt.lr)
-        return self.finish(params, self.send(grads, 0), reduce_norms, finite)
+        self.send(grads, 0)
+        return self.finish(params, reduce_norms, finite)
 
     # ---------------------------------------------------------------- checkpoints
     def pieces(self, replica: int, replicas: int) -> dict:

@@ -9,6 +9,10 @@
       3. optimizer on my shard           (fp32 master and states of [offset, offset+count)
                                           only; LARS/LAMB norms summed over the shards first;
                                           NaN/Inf on any rank skips the step on all)
+With a 1-bit optimizer (mpidist.optim.onebit) past its warm-up, step 2 sends the local
+momentum instead of the gradient: stage 1 after backward, stages 2 and 3 bucket by bucket,
+each through the momentum's compressed reduce-scatter (worker error feedback per bucket),
+and step 3 first averages my shard with server error feedback (mpidist.engine.onebit).
       4. parameters back to every rank   (stages 1, 2: allgather; stage 3: nothing, gathered
                                           on demand in the next forward)
 
@@ -28,6 +32,7 @@ from mpi4py import MPI
 from mpidist.collectives import allgather, allreduce
 from mpidist.comm import as_communicator
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
+from mpidist.engine.onebit import OnebitDriver, is_onebit
 from mpidist.engine.strategy import StateDict, flat_pieces, read_flat, read_params
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module
@@ -122,6 +127,35 @@ class ZeroEngine(abc.ABC):
         self._t_comm = 0.0         # seconds waiting for communication in this step
         self._setup(np.random.default_rng(seed))
         self.optimizer = make_optimizer(self.layout, self.offset, self.count, self.dtype)
+        self.onebit = self._make_onebit()
+
+    def _make_onebit(self):
+        """The momentum exchange of a 1-bit optimizer (None for others); collective."""
+        if not is_onebit(self.optimizer):
+            return None
+        error = None
+        if self.compression is not None:
+            error = ValueError(f"optimizer {self.optimizer.name!r} compresses its momentum "
+                               f"itself; remove the gradient compression")
+        elif self.stage > 1 and self.accumulation > 1:
+            error = ValueError(f"optimizer {self.optimizer.name!r} at ZeRO stage {self.stage} "
+                               f"needs accumulation = 1 (each micro-batch's buckets go out, "
+                               f"the local momentum needs the whole step's gradient)")
+        self.comm.raise_if_any(error)
+        # my range is a shard: 1-bit LAMB's per-tensor maximum is taken over all of them
+        self.optimizer.reduce_max = self._reduce_max
+        return OnebitDriver(self.optimizer, self.layout, self.comm, mult=self.comm.size,
+                            xp=self.xp)
+
+    def _reduce_max(self, values):
+        out = np.ascontiguousarray(values, dtype=np.float64)
+        self.comm.comm.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
+        return out
+
+    @property
+    def sends_momentum(self) -> bool:
+        """True while a 1-bit optimizer's compression stage replaces the gradient exchange."""
+        return self.onebit is not None and self.onebit.frozen
 
     # ------------------------------------------------------------------ per stage
     @abc.abstractmethod
@@ -196,15 +230,26 @@ class ZeroEngine(abc.ABC):
         self.inflight.reset_peak()
         self._t_comm = 0.0
         t0 = time.perf_counter()
+        momentum = self.sends_momentum
+        if momentum:
+            self.onebit.begin()
         loss_sum, correct = self.forward_backward(x, y, global_count)
+        if momentum and self.stage == 1:      # 2. the whole local gradient, as momentum
+            t = time.perf_counter()
+            self.onebit.send(self.grads.data.astype(np.float32, copy=self.dtype != np.float32))
+            self._t_comm += time.perf_counter() - t
         t1, comm_in_backward = time.perf_counter(), self._t_comm
         # NaN/Inf in any rank's shard skips the step everywhere; the loss sums ride along
-        g = self.grad_shard()
+        g = self.onebit.summed if momentum else self.grad_shard()
         bad = 0.0 if bool(get_array_module(g).isfinite(g).all()) else 1.0
         totals = np.array([bad, loss_sum, correct, count], np.float64)
         self.comm.comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
-        self.info = self.optimizer.step(self.param_shard(), g, reduce_norms=self._reduce_norms,
-                                        finite=bool(totals[0] == 0))
+        if momentum:
+            self.info = self.onebit.finish(self.param_shard(), reduce_norms=self._reduce_norms,
+                                           finite=bool(totals[0] == 0))
+        else:
+            self.info = self.optimizer.step(self.param_shard(), g, reduce_norms=self._reduce_norms,
+                                            finite=bool(totals[0] == 0))
         t2 = time.perf_counter()
         self._publish_params()
         t3 = time.perf_counter()
@@ -263,10 +308,13 @@ class ZeroEngine(abc.ABC):
         for state, buf in self.optimizer.state_buffers().items():
             tensors.update(flat_pieces(f"optim/{state}", self.layout, buf, self.offset))
         scalars = {"optim_step": self.optimizer.step_count, "zero_stage": self.stage,
-                   "param_dtype": str(self.dtype)}
+                   "param_dtype": str(self.dtype), "optim_extra": self.optimizer.extra_state()}
         if self.compression is not None:      # this rank's residuals, one row per rank
             tensors.update(compression_pieces(self.compression, self.layout, self.comm.rank, self.comm.size))
             scalars["compression"] = compression_scalars(self.compression)
+        if self.onebit is not None:           # the 1-bit momentum exchange's residuals
+            tensors.update(self.onebit.pieces(self.comm.rank, self.comm.size))
+            scalars.update(self.onebit.scalars())
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
@@ -284,10 +332,14 @@ class ZeroEngine(abc.ABC):
                 state[name] = buf
             sd["step"] = int(source.scalars.get("optim_step", source.step))
             sd["state"] = state
+            sd["extra"] = source.scalars.get("optim_extra", sd["extra"])
             self.optimizer.load_state_dict(sd)
             if self.compression is not None:
                 restore_compression(self.compression, source, self.layout, self._compressed_buffers(),
                                     self.comm.rank, self.comm.size)
+            if self.onebit is not None:
+                self.onebit.restore(source, self._compressed_buffers(), self.comm.rank,
+                                    self.comm.size)
             self.step = int(source.step)
         except (KeyError, TypeError, ValueError) as exc:
             error = exc

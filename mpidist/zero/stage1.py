@@ -44,6 +44,8 @@ class Stage1(ZeroEngine):
         self.grads.data[...] = 0
 
     def _finish_grads(self) -> None:
+        if self.sends_momentum:       # a 1-bit optimizer sends its momentum in train_step
+            return
         if self.compression is not None:
             self._compressed_grads()
             return

@@ -110,7 +110,9 @@ class GradBuckets:
     def _launch(self, b: _Bucket) -> None:
         start, mine = self.e.shards.mine(b.lo, b.hi)
         out = self.grad_shard[start - self.e.offset:start - self.e.offset + mine]
-        if self.e.compression is None:
+        if self.e.sends_momentum:
+            b.pending = self._momentum(b)
+        elif self.e.compression is None:
             b.pending = reduce_scatter_start(self.e.comm, self.e.shards, b.buf, b.lo, out=out)
         else:
             b.pending = self._compressed(b, out)
@@ -128,6 +130,15 @@ class GradBuckets:
         out[...] += self.e.compression.reduce_scatter(g, lo=b.lo, n=self.e.layout.numel)
         self.e._t_comm += time.perf_counter() - t
         return Pending(MPI.REQUEST_NULL, lambda: out, ())
+
+    def _momentum(self, b: _Bucket) -> Pending:
+        """A 1-bit optimizer's compression stage: the bucket as local momentum through the
+        momentum's compressed reduce-scatter, summed into the exchange's own float32 shard
+        (blocking); the gradient shard stays zero."""
+        t = time.perf_counter()
+        self.e.onebit.send(b.buf.astype(np.float32, copy=True), lo=b.lo)
+        self.e._t_comm += time.perf_counter() - t
+        return Pending(MPI.REQUEST_NULL, lambda: None, ())
 
     def _retire(self) -> None:
         b = self.queue.popleft()
