@@ -181,3 +181,42 @@ def mpidist_train(n: int, config: str, overrides: dict, out_dir: str, timeout: f
         raise RuntimeError(f"mpidist train {config} {' '.join(sets)} failed (exit "
                            f"{proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
     return train_summary(out_dir)
+
+
+def train_many(n: int, runs: list[tuple[str, dict, str]], timeout: float, tmp: str,
+               cluster=None, thread_level: str | None = None) -> list[tuple[dict, list[dict]]]:
+    """Several `mpidist train` runs in one MPI job (imports and compiled kernels shared):
+    runs = [(config path, {section.key: value}, out_dir)]; returns (summary, metrics) each."""
+    spec = os.path.join(tmp, f"train-many-{len(os.listdir(tmp))}.json")
+    with open(spec, "w") as fh:
+        json.dump([[os.path.join(REPO, c), {"job.progress": False, "job.plot": False, **o,
+                                            "job.out_dir": d}] for c, o, d in runs], fh)
+    argv = [sys.executable, "-m", "experiments.common", spec]
+    if cluster is None:
+        from mpidist.launcher import run
+        proc = run(n, argv, timeout=timeout, capture_output=True, text=True, cwd=REPO)
+    else:
+        proc = cluster.run(argv, np=n, timeout=timeout, thread_level=thread_level,
+                           capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training runs of {spec} failed (exit {proc.returncode}):\n"
+                           f"{(proc.stderr or '')[-4000:]}")
+    return [train_summary(d) for _, _, d in runs]
+
+
+def _train_worker(spec_path: str) -> int:
+    """Inside the MPI job: run every (config, overrides) of the spec, one after another."""
+    from mpidist.comm import Communicator
+    from mpidist.engine.config import load_config
+    from mpidist.engine.loop import run
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    comm = Communicator()
+    for config_path, overrides in spec:
+        run(load_config(config_path, comm, overrides), comm)
+    comm.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_train_worker(sys.argv[1]))
