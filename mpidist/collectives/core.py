@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from mpidist.collectives import flight, guard, native, ring, select, shm
+from mpidist.collectives.arrays import accept_arrays
 from mpidist.collectives.ops import (accumulator_dtype, check_dtype, dtype_name, get_op, narrow,
                                      widen)
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
@@ -28,9 +29,12 @@ _STAGE_IN, _STAGE_OUT = 92, 93  # pinned host slots of CuPy data staged for a ho
 
 
 def _flat(x, what: str):
-    """A 1-D view of a contiguous NumPy/CuPy array; TypeError/ValueError otherwise."""
+    """A 1-D view of a contiguous NumPy/CuPy array; TypeError/ValueError otherwise (other
+    arrays reach here as such views: accept_arrays)."""
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
-        raise TypeError(f"{what} must be a NumPy or CuPy array, got {type(x).__name__}")
+        raise TypeError(f"{what} must be a NumPy or CuPy array (or a torch tensor, DLPack, "
+                        f"buffer-protocol or __cuda_array_interface__ data), got "
+                        f"{type(x).__name__}")
     if not x.flags.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous; pass np.ascontiguousarray({what})")
     check_dtype(x.dtype)
@@ -170,6 +174,7 @@ def run_allreduce(c, x, y, opx, name: str) -> None:
         _store(rbuf, y, widened)
 
 
+@accept_arrays("buf", "out", in_place=True)
 def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
     """Reduce `buf` over all ranks of `comm`; every rank gets the same bits.
 
@@ -196,6 +201,7 @@ def _part_module(algorithm: str, c):
                          f"valid: auto, {', '.join(_PARTS)}") from None
 
 
+@accept_arrays("buf", "out")
 def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
     """Reduce `buf` over all ranks and return my shard: elements chunk(len(buf), rank, size).
 
@@ -239,6 +245,7 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
     return y if out is None else out
 
 
+@accept_arrays("shard", "out")
 def allgather(shard, *, comm=None, out=None, algorithm="auto"):
     """Gather every rank's shard into the full array; shard r holds chunk(n, r, size).
 

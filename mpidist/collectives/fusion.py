@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from mpi4py import MPI
 
 from mpidist.collectives import flight, guard, select
+from mpidist.collectives.arrays import accept_arrays
 from mpidist.collectives.core import (_check_out, _flat, _read_only, prepare_allreduce,
                                      run_allreduce)
 from mpidist.collectives.ops import accumulator_dtype, get_op
@@ -145,6 +146,7 @@ def _choose(c, x, opx) -> str:
         if x.size else "native"
 
 
+@accept_arrays("buf", "out", in_place=True)
 def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
                     bucket_bytes: int | None = None) -> Handle:
     """Start an allreduce and return its Handle (h.wait() -> the result).

@@ -32,10 +32,11 @@ import copy
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.collectives.arrays import accept_arrays
 from mpidist.comm import as_communicator
 from mpidist.compress.base import Compressor, kernels_for
 from mpidist.errors import MismatchError, RemoteError
-from mpidist.kernels.backend import get_array_module, to_numpy
+from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
 from mpidist.partition import chunk, counts_displs
 
 __all__ = ["CompressedAllreduce", "Handle", "bucket_key", "ring_allreduce_bytes", "pack", "unpack"]
@@ -196,7 +197,8 @@ def bucket_key(buf) -> tuple[int, int]:
     """(element offset of buf inside the array it views, length): the same for the same
     bucket of a persistent flat buffer on every rank and after a restart."""
     base = buf
-    while getattr(base, "base", None) is not None and hasattr(base.base, "dtype"):
+    while isinstance(getattr(base, "base", None), np.ndarray) or \
+            is_cupy(getattr(base, "base", None)):     # not past the array: a torch tensor
         base = base.base
     offset = (_address(buf) - _address(base)) // buf.dtype.itemsize if base is not buf else 0
     return int(offset), int(buf.shape[0])
@@ -319,10 +321,12 @@ class CompressedAllreduce:
         return bool(nonfinite)
 
     # ---------------------------------------------------------------- the call
+    @accept_arrays("grad", out=None)
     def __call__(self, grad, layout=None):
         """The average over ranks of the compressed gradients (same shape and dtype)."""
         return self._reduce(grad, layout, "avg")
 
+    @accept_arrays("buf", out=None)
     def allreduce_async(self, buf, *, op: str = "sum", layout=None) -> Handle:
         """The engine's bucket interface: the sum (op="sum") or average ("avg") of one
         bucket. It runs now (compression does not overlap); wait() returns the result.
@@ -365,6 +369,7 @@ class CompressedAllreduce:
         self.total_bytes_sent += ring.sent
         return out.astype(grad.dtype, copy=False)
 
+    @accept_arrays("buf", out=None)
     def reduce_scatter(self, buf, *, lo: int = 0, n: int | None = None):
         """My piece of the compressed sum over ranks (ZeRO stages 2 and 3).
 
