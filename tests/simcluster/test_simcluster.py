@@ -61,6 +61,10 @@ def test_hierarchical_allreduce_and_parameter_server_across_nodes():
                            text=True, cwd=REPO)
         names = cluster.node_ns
         counters = cluster.nic_counters()       # read from outside, the whole job's bytes
+        info = cluster.run([sys.executable, "-m", "mpidist", "info"], timeout=120,
+                           capture_output=True, text=True, cwd=REPO)
+    assert info.returncode == 0, info.stderr[-3000:]
+    assert "4 ranks on 2 node(s) (detected), ranks per node [2, 2]" in info.stdout, info.stdout
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
