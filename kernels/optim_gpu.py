@@ -25,9 +25,10 @@ import numpy as np
 from numba import config as numba_config, cuda, float32, float64
 
 from mpidist.kernels.backend import cupy as _cupy, get_array_module
-from mpidist.kernels.optim_cpu import segment_totals
+from mpidist.kernels.optim_cpu import segment_max, segment_totals
 
-__all__ = ["CuPyKernels", "NumbaCudaKernels", "adam_consts", "gpu_chunks", "GPU_CHUNK", "THREADS"]
+__all__ = ["CuPyKernels", "NumbaCudaKernels", "adam_consts", "onebit_lamb_consts", "gpu_chunks",
+           "GPU_CHUNK", "THREADS"]
 
 GPU_CHUNK = 8192      # elements per block of a segmented sum
 THREADS = 256         # threads per block (a power of two: the shared-memory tree needs it)
@@ -53,6 +54,13 @@ def adam_consts(gscale, b1, b2, eps, bc1, bc2):
     return (f(gscale), f(b1), f(1.0 - b1), f(b2), f(1.0 - b2), f(bc1), f(bc2), f(eps))
 
 
+def onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f):
+    """The float32 coefficients (B1, C1, B2, C2, D1, D2, D2F, E) of 1-bit LAMB's compression
+    stage, rounded once (as optim_cpu._onebit_lamb_consts)."""
+    f = np.float32
+    return (f(b1), f(1.0 - b1), f(b2), f(1.0 - b2), f(bc1), f(bc2), f(bc2f), f(eps))
+
+
 # ------------------------------------------------------------------------------------ CuPy
 _CUDA_COMMON = r"""
 // index of the piece holding local element i: pb[k] <= i < pb[k+1]
@@ -73,6 +81,22 @@ __device__ __forceinline__ float adam_dir(float d, float m, float v, float vmax,
     *v1 = B2 * v + C2 * (d * d);
     *vm1 = fmaxf(vmax, *v1);
     return (*m1 / D1) / (sqrtf(*vm1 / D2) + E);
+}
+"""
+
+_CUDA_COMMON += r"""
+// 1-bit LAMB, compression stage (float32): g = (m - b1*m_old)/(1-b1) ; vf = b2*vf + (1-b2)*g^2
+// den = sqrt(v/bc2_frozen) + eps ; r = (m/bc1)/den (0 where v = 0) ; u = r + wd*w
+// q = den / (sqrt(vf/bc2) + eps)
+__device__ __forceinline__ void onebit_lamb_dir(float w, float m, float mo, float v, float vf,
+        float B1, float C1, float B2, float C2, float D1, float D2, float D2F, float E, float wd,
+        float* vf1, float* r, float* u, float* q) {
+    float g = (m - B1 * mo) / C1;
+    *vf1 = B2 * vf + C2 * (g * g);
+    float den = sqrtf(v / D2) + E;
+    *r = v > 0.0f ? (m / D1) / den : 0.0f;
+    *u = *r + wd * w;
+    *q = den / (sqrtf(*vf1 / D2F) + E);
 }
 """
 
@@ -121,6 +145,36 @@ extern "C" __global__ void lamb_sums(const float* p, const float* g, const float
     }
     block_sum<3>(sh, acc, out, c);
 }
+
+// 1-bit LAMB phase 1: out[c] = (sum w^2, sum u^2, sum r^2, max q) (nothing written)
+extern "C" __global__ void onebit_lamb_sums(const float* p, const float* m, const float* mo,
+        const float* v, const float* vf, const long long* lo, const long long* hi,
+        const long long* seg, const float* seg_wd, float B1, float C1, float B2, float C2,
+        float D1, float D2, float D2F, float E, double* out) {
+    __shared__ double sh[THREADS][3];
+    __shared__ float top[THREADS];
+    double acc[3] = {0.0, 0.0, 0.0};
+    float best = 0.0f;
+    int c = blockIdx.x, t = threadIdx.x;
+    float wd = seg_wd[seg[c]];
+    for (long long i = lo[c] + t; i < hi[c]; i += blockDim.x) {
+        float vf1, r, u, q;
+        onebit_lamb_dir(p[i], m[i], mo[i], v[i], vf[i], B1, C1, B2, C2, D1, D2, D2F, E, wd,
+                        &vf1, &r, &u, &q);
+        double wf = p[i], uf = u, rf = r;
+        acc[0] += wf * wf; acc[1] += uf * uf; acc[2] += rf * rf;
+        best = fmaxf(best, q);
+    }
+    top[t] = best;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) top[t] = fmaxf(top[t], top[t + s]);
+        __syncthreads();
+    }
+    double mine[3] = {acc[0], acc[1], acc[2]};
+    block_sum<3>(sh, mine, out + (long long)c * 4, 0);   // row c of 4 columns
+    if (t == 0) out[(long long)c * 4 + 3] = top[0];
+}
 """
 
 # AdamW, and LAMB phase 2:  w -= c_s * (r + wd_s*w)
@@ -149,6 +203,53 @@ _MOMENTUM_OP = r"""
         p = w - lr * (seg_c[s] * d);
     }
 """
+
+
+# 1-bit local momentum:  g = (b1*m + (1-b1)*(mult*g)) / den   (0 where den = 0)
+_ONEBIT_MOMENTUM_OP = r"""
+    g = den > 0.0f ? (B1 * m + C1 * (M * g)) / den : 0.0f;
+"""
+
+# 1-bit Adam:  r = (m/bc1)/(sqrt(v/bc2) + eps) (0 where v = 0) ;  w -= c_s*(r + wd_s*w) ;  ms = m
+_ONEBIT_ADAM_OP = r"""
+    long long s = pseg[piece_of(&pb[0], npiece, i)];
+    float w = p;
+    float r = v > 0.0f ? (m / D1) / (sqrtf(v / D2) + E) : 0.0f;
+    ms = m;
+    p = w - seg_c[s] * (r + seg_wd[s] * w);
+"""
+
+# 1-bit LAMB phase 2:  (vf, r, u) from onebit_lamb_dir ;  w -= c_s*u ;  mo = m
+_ONEBIT_LAMB_OP = r"""
+    long long s = pseg[piece_of(&pb[0], npiece, i)];
+    float w = p, vf1, r, u, q;
+    onebit_lamb_dir(w, m, mo, v, vf, B1, C1, B2, C2, D1, D2, D2F, E, seg_wd[s], &vf1, &r, &u, &q);
+    vf = vf1;
+    mo = m;
+    p = w - seg_c[s] * u;
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_onebit():
+    """The 1-bit optimizers' CuPy kernels, built once per process."""
+    cp = _cupy()
+    opts = ("--fmad=false",)
+    momentum = cp.ElementwiseKernel(
+        "float32 m, float32 den, float32 B1, float32 C1, float32 M", "float32 g",
+        _ONEBIT_MOMENTUM_OP, "mpidist_onebit_momentum", options=opts)
+    adam = cp.ElementwiseKernel(
+        "float32 m, float32 v, raw int64 pb, raw int64 pseg, int64 npiece, raw float32 seg_wd, "
+        "raw float32 seg_c, float32 D1, float32 D2, float32 E", "float32 p, float32 ms",
+        _ONEBIT_ADAM_OP, "mpidist_onebit_adam", preamble=_CUDA_COMMON, options=opts)
+    lamb = cp.ElementwiseKernel(
+        "float32 m, float32 v, raw int64 pb, raw int64 pseg, int64 npiece, raw float32 seg_wd, "
+        "raw float32 seg_c, float32 B1, float32 C1, float32 B2, float32 C2, float32 D1, "
+        "float32 D2, float32 D2F, float32 E", "float32 p, float32 mo, float32 vf",
+        _ONEBIT_LAMB_OP, "mpidist_onebit_lamb", preamble=_CUDA_COMMON, options=opts)
+    module = cp.RawModule(code=f"#define THREADS {THREADS}\n" + _CUDA_SUMS,
+                          options=opts + ("-std=c++14",))
+    return momentum, adam, lamb, module.get_function("onebit_lamb_sums")
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,6 +318,36 @@ class CuPyKernels:
         self.momentum(g, self.pb, self.pseg, self.npiece, self._f32(seg_wd), self._f32(seg_c),
                       f(gscale), f(decay), f(mom), f(lr), np.int32(nesterov), np.int32(use_buf),
                       p, buf)
+
+    # 1-bit Adam / LAMB (formulas beside the CUDA sources above)
+    def onebit_momentum(self, m, g, den, b1, mult):
+        f = np.float32
+        if g.size:
+            _cupy_onebit()[0](m, den, f(b1), f(1.0 - b1), f(mult), g)
+
+    def onebit_adam_update(self, p, m, v, mstate, seg_wd, seg_c, bc1, bc2, eps):
+        f = np.float32
+        if p.size:
+            _cupy_onebit()[1](m, v, self.pb, self.pseg, self.npiece, self._f32(seg_wd),
+                              self._f32(seg_c), f(bc1), f(bc2), f(eps), p, mstate)
+
+    def onebit_lamb_sums(self, p, m, m_old, v, vf, seg_wd, b1, b2, eps, bc1, bc2, bc2f):
+        nchunk = int(self.lo.shape[0])
+        out = self.cp.zeros((nchunk, 4), np.float64)
+        if nchunk:
+            _cupy_onebit()[3]((nchunk,), (THREADS,), (
+                p, m, m_old, v, vf, self.lo, self.hi, self.seg, self._f32(seg_wd),
+                *onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f), out))
+        host = out.get()
+        tot = segment_totals(host[:, :3], self.seg_host, self.nseg)
+        return np.concatenate([tot, segment_max(host[:, 3], self.seg_host, self.nseg)[:, None]], 1)
+
+    def onebit_lamb_update(self, p, m, m_old, v, vf, seg_wd, seg_c, b1, b2, eps, bc1, bc2,
+                           bc2f):
+        if p.size:
+            _cupy_onebit()[2](m, v, self.pb, self.pseg, self.npiece, self._f32(seg_wd),
+                              self._f32(seg_c), *onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f),
+                              p, m_old, vf)
 
 
 # ------------------------------------------------------------------------------ numba.cuda
@@ -366,6 +497,96 @@ def _cu_lamb_sums(p, g, m, v, vmax, lo, hi, seg, seg_wd, gs, B1, C1, B2, C2, D1,
     _cu_block_sum(sh, 3, out, c)
 
 
+@cuda.jit
+def _cu_onebit_momentum(m, g, den, B1, C1, M):
+    # g = (b1*m + (1-b1)*(mult*g)) / den   (0 where den = 0)
+    i = cuda.grid(1)
+    while i < g.shape[0]:
+        d = den[i]
+        g[i] = (_mul32(B1, m[i]) + _mul32(C1, _mul32(M, g[i]))) / d if d > 0 else float32(0.0)
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _cu_onebit_adam_update(p, m, v, ms, pb, pseg, seg_wd, seg_c, D1, D2, E):
+    # r = (m/bc1)/(sqrt(v/bc2) + eps) (0 where v = 0) ; w -= c_s*(r + wd_s*w) ; ms = m
+    i = cuda.grid(1)
+    while i < p.shape[0]:
+        s = pseg[_cu_piece_of(pb, i)]
+        w = p[i]
+        mi, vi = m[i], v[i]
+        r = (mi / D1) / (float32(math.sqrt(vi / D2)) + E) if vi > 0 else float32(0.0)
+        ms[i] = mi
+        p[i] = w - _mul32(seg_c[s], r + _mul32(seg_wd[s], w))
+        i += cuda.gridsize(1)
+
+
+@cuda.jit(device=True)
+def _cu_onebit_lamb_dir(w, m, mo, v, vf, B1, C1, B2, C2, D1, D2, D2F, E, wd):
+    # g = (m - b1*m_old)/(1-b1) ; vf = b2*vf + (1-b2)*g^2 ; den = sqrt(v/bc2_f) + eps
+    # r = (m/bc1)/den (0 where v = 0) ; u = r + wd*w ; q = den/(sqrt(vf/bc2) + eps)
+    g = (m - _mul32(B1, mo)) / C1
+    vf1 = _mul32(B2, vf) + _mul32(C2, g * g)
+    den = float32(math.sqrt(v / D2)) + E
+    r = (m / D1) / den if v > 0 else float32(0.0)
+    return vf1, r, r + _mul32(wd, w), den / (float32(math.sqrt(vf1 / D2F)) + E)
+
+
+@cuda.jit
+def _cu_onebit_lamb_update(p, m, mo, v, vf, pb, pseg, seg_wd, seg_c, B1, C1, B2, C2, D1, D2,
+                           D2F, E):
+    # (vf, r, u) from _cu_onebit_lamb_dir ; w -= c_s*u ; m_old = m
+    i = cuda.grid(1)
+    while i < p.shape[0]:
+        s = pseg[_cu_piece_of(pb, i)]
+        w = p[i]
+        vf1, _, u, _ = _cu_onebit_lamb_dir(w, m[i], mo[i], v[i], vf[i], B1, C1, B2, C2, D1, D2,
+                                           D2F, E, seg_wd[s])
+        vf[i] = vf1
+        mo[i] = m[i]
+        p[i] = w - _mul32(seg_c[s], u)
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
+def _cu_onebit_lamb_sums(p, m, mo, v, vf, lo, hi, seg, seg_wd, B1, C1, B2, C2, D1, D2, D2F, E,
+                         out):
+    # out[c] = (sum w^2, sum u^2, sum r^2, max q) over chunk c
+    sh = cuda.shared.array((THREADS, 4), float64)
+    c, t = cuda.blockIdx.x, cuda.threadIdx.x
+    wd = seg_wd[seg[c]]
+    aw = 0.0
+    au = 0.0
+    ar = 0.0
+    top = float32(0.0)
+    i = lo[c] + t
+    while i < hi[c]:
+        w = p[i]
+        _, r, u, q = _cu_onebit_lamb_dir(w, m[i], mo[i], v[i], vf[i], B1, C1, B2, C2, D1, D2,
+                                         D2F, E, wd)
+        aw += _mul64(float(w), float(w))
+        au += _mul64(float(u), float(u))
+        ar += _mul64(float(r), float(r))
+        top = max(top, q)
+        i += cuda.blockDim.x
+    sh[t, 0] = aw
+    sh[t, 1] = au
+    sh[t, 2] = ar
+    sh[t, 3] = float(top)
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s:
+            for j in range(3):
+                sh[t, j] += sh[t + s, j]
+            sh[t, 3] = max(sh[t, 3], sh[t + s, 3])
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        for j in range(4):
+            out[c, j] = sh[0, j]
+
+
 class NumbaCudaKernels:
     """The numba.cuda kernels bound to one optimizer's Plan; arrays are CuPy on a GPU, or
     NumPy under the CUDA simulator."""
@@ -428,3 +649,36 @@ class NumbaCudaKernels:
                 p, g, self._nonempty(buf), self.pb, self.pseg, self._f32(seg_wd),
                 self._f32(seg_c), f(gscale), f(decay), f(mom), f(lr), bool(nesterov),
                 bool(use_buf))
+
+    # 1-bit Adam / LAMB (formulas beside the kernels above)
+    def onebit_momentum(self, m, g, den, b1, mult):
+        f = np.float32
+        n = int(g.shape[0])
+        if n:
+            blocks = max(1, -(-n // self.threads))
+            blocks = min(1024, blocks) if numba_config.ENABLE_CUDASIM else blocks
+            _cu_onebit_momentum[blocks, self.threads](m, g, den, f(b1), f(1.0 - b1), f(mult))
+
+    def onebit_adam_update(self, p, m, v, mstate, seg_wd, seg_c, bc1, bc2, eps):
+        f = np.float32
+        if self.n:
+            _cu_onebit_adam_update[self._grid(), self.threads](
+                p, m, v, mstate, self.pb, self.pseg, self._f32(seg_wd), self._f32(seg_c),
+                f(bc1), f(bc2), f(eps))
+
+    def onebit_lamb_sums(self, p, m, m_old, v, vf, seg_wd, b1, b2, eps, bc1, bc2, bc2f):
+        out = cuda.device_array((self.nchunk, 4), np.float64)
+        if self.nchunk:
+            _cu_onebit_lamb_sums[self.nchunk, self.threads](
+                p, m, m_old, v, vf, self.lo, self.hi, self.seg, self._f32(seg_wd),
+                *onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f), out)
+        host = out.copy_to_host()
+        tot = segment_totals(host[:, :3], self.seg_host, self.nseg)
+        return np.concatenate([tot, segment_max(host[:, 3], self.seg_host, self.nseg)[:, None]], 1)
+
+    def onebit_lamb_update(self, p, m, m_old, v, vf, seg_wd, seg_c, b1, b2, eps, bc1, bc2,
+                           bc2f):
+        if self.n:
+            _cu_onebit_lamb_update[self._grid(), self.threads](
+                p, m, m_old, v, vf, self.pb, self.pseg, self._f32(seg_wd), self._f32(seg_c),
+                *onebit_lamb_consts(b1, b2, eps, bc1, bc2, bc2f))
