@@ -13,11 +13,15 @@ Phases:
   2. allreduce: all ranks run the compressed allreduce on their own gradient; bytes are
      the exact bytes each rank sent, against the uncompressed float32 ring's 2(p-1)/p.
      The gathering compressors also run as a ring on re-encoded chunks ("... ring").
+     The 1-bit optimizers' momentum exchange (MOMENTUM_VARIANTS: worker and server error
+     feedback, mpidist.compress.momentum) runs on the same buffer, as after their warm-up.
   3. time-to-accuracy (--tta CONFIG): the training job uncompressed, for its own epochs
      (the reference), then once per TTA_CONFIGS entry through mpidist.engine with
      --tta-budget times those epochs (default 3; 1 compares at equal epochs): final test
      accuracy, its gap to the reference, and the epoch and seconds of training at which
-     it first came within 1 percentage point of the reference.
+     it first came within 1 percentage point of the reference. Then TTA_OPTIMIZERS: the
+     job with another optimizer instead of gradient compression (AdamW uncompressed, and
+     1-bit Adam / 1-bit LAMB freezing after TTA_FREEZE of the reference's steps).
 The gradient is a layout of 6 square layers plus a dense tail (so PowerSGD has matrices).
 Writes compress.csv, compress.json and compress.png under --out (rank 0).
 """
@@ -32,7 +36,8 @@ import time
 
 import numpy as np
 
-__all__ = ["main", "CONFIGS", "RING_VARIANTS", "TTA_CONFIGS", "bench_layout"]
+__all__ = ["main", "CONFIGS", "RING_VARIANTS", "MOMENTUM_VARIANTS", "TTA_CONFIGS",
+           "TTA_OPTIMIZERS", "bench_layout"]
 
 # (label, compressor name, options)
 CONFIGS = [
@@ -50,6 +55,12 @@ RING_VARIANTS = [
     ("topk 1% ring", "topk", {"ratio": 0.01}),
     ("sign (1-bit) ring", "sign", {}),
     ("qsgd 4-bit ring", "qsgd", {"levels": 7, "error_feedback": True}),
+]
+
+# the 1-bit optimizers' momentum average after their warm-up (allreduce phase only)
+MOMENTUM_VARIANTS = [
+    ("1-bit momentum: sign", "sign", {}),
+    ("1-bit momentum: randomk 1%", "randomk", {"ratio": 0.01}),
 ]
 
 
@@ -118,8 +129,29 @@ def _allreduce(comm, layout, x, steps: int) -> dict:
         rows[label] = {"bytes_sent": sent, "wire_ratio": sent / dense if dense else float("nan"),
                        "allreduce_s": t}
         del ca
+    for label, name, opts in MOMENTUM_VARIANTS:
+        rows[label] = _momentum(comm, name, opts, x, steps, dense)
     rows["dense fp32 ring"]["dense_ring_bytes"] = dense
     return rows
+
+
+def _momentum(comm, name: str, opts: dict, x, steps: int, dense: int) -> dict:
+    """One 1-bit optimizer step's exchange of x as momentum: worker side (compressed
+    reduce-scatter) and server side (compressed allgather), as mpidist.engine.onebit runs it."""
+    from mpidist.compress import MomentumAllreduce, make_compressor
+    ex = MomentumAllreduce(make_compressor(name, **opts), x.size, comm)
+    times, sent = [], 0
+    for i in range(steps + 1):               # the first untimed: kernel loading
+        comm.comm.Barrier()
+        t0 = time.perf_counter()
+        ex.allgather(ex.reduce_scatter(x.copy()))
+        if i:
+            times.append(time.perf_counter() - t0)
+            sent = max(sent, ex.bytes_sent)
+    t = max(comm.comm.allgather(float(np.median(times))))
+    sent = max(comm.comm.allgather(sent))
+    return {"bytes_sent": sent, "wire_ratio": sent / dense if dense else float("nan"),
+            "allreduce_s": t}
 
 
 # the time-to-accuracy runs: (label, compressor name, options), error feedback on unless
@@ -146,6 +178,17 @@ TTA_CONFIGS = [
     ("randomk 1% ramp no-EF", "randomk", {"ratio": 0.01, "warmup": "ramp",
                                           "error_feedback": False}),
 ]
+# the time-to-accuracy runs with another optimizer and no gradient compression: (label,
+# optimizer, its extra hyperparameters); the job's own [optim] hyper stays, and the 1-bit
+# ones get freeze_step = TTA_FREEZE of the reference run's steps
+TTA_OPTIMIZERS = [
+    ("adamw (uncompressed)", "adamw", {}),
+    ("onebit_adam sign", "onebit_adam", {"compressor": "sign"}),
+    ("onebit_lamb sign", "onebit_lamb", {"compressor": "sign"}),
+    ("onebit_lamb randomk 1%", "onebit_lamb", {"compressor": "randomk",
+                                               "compressor_options": {"ratio": 0.01}}),
+]
+TTA_FREEZE = 0.15
 TTA_WITHIN = 0.01       # "within": test accuracy at most 1 percentage point below uncompressed
 
 
@@ -164,7 +207,10 @@ def _tta(comm, config_path: str, out: str, overrides: dict, budget: float = 1.0)
     except Exception as exc:    # the engine's or data's error, agreed on every rank by them
         rows = {"powersgd plan": f"unavailable ({type(exc).__name__}: {exc})"[:200]}
     reference = reference_epochs = steps_per_epoch = None
-    for label, name, opts in [("uncompressed", "none", {})] + TTA_CONFIGS:
+    runs = [(label, name, opts, None) for label, name, opts in
+            [("uncompressed", "none", {})] + TTA_CONFIGS] + \
+        [(label, "none", {}, (optim, hyper)) for label, optim, hyper in TTA_OPTIMIZERS]
+    for label, name, opts, optim in runs:
         job_out = os.path.join(out, "tta", re.sub(r"[^\w.%+-]+", "_", label))
         try:
             if opts.get("warmup") == "ramp":
@@ -173,6 +219,10 @@ def _tta(comm, config_path: str, out: str, overrides: dict, budget: float = 1.0)
                         "job.progress": False, "job.plot": False, "job.target_accuracy": 0.0}
             if opts:
                 settings["parallel.compression_options"] = opts
+            if optim is not None:
+                settings.update(_optimizer_settings(comm, config_path, overrides, *optim,
+                                                    reference_epochs * steps_per_epoch))
+                opts = {"optim": optim[0], **settings["optim.hyper"]}
             if reference is not None:
                 settings["job.epochs"] = max(1, round(budget * reference_epochs))
             cfg = load_config(config_path, comm, {**overrides, **settings})
@@ -191,6 +241,17 @@ def _tta(comm, config_path: str, out: str, overrides: dict, budget: float = 1.0)
             if reference is None:
                 break                 # no uncompressed reference: nothing to compare with
     return rows
+
+
+def _optimizer_settings(comm, config_path: str, overrides: dict, optim: str, hyper: dict,
+                        reference_steps: int) -> dict:
+    """The overrides that swap the job's optimizer for `optim` (its [optim] hyper kept, plus
+    `hyper`; a 1-bit one freezes after TTA_FREEZE of the reference's steps)."""
+    from mpidist.engine.config import load_config
+    base = dict(load_config(config_path, comm, overrides)["optim"]["hyper"])
+    if optim.startswith("onebit_"):
+        base["freeze_step"] = max(1, round(TTA_FREEZE * reference_steps))
+    return {"optim.name": optim, "optim.hyper": {**base, **hyper}}
 
 
 def _job_plan(comm, config_path: str, overrides: dict) -> str:
@@ -260,7 +321,8 @@ def _table(report: dict) -> str:
              f"{a['dense fp32 ring']['dense_ring_bytes'] / 1e6:.2f} MB per rank",
              f"{'compressor':<24}{'payload':>9}{'encode GB/s':>13}{'sent MB/rank':>14}"
              f"{'vs ring':>9}{'allreduce s':>13}"]
-    for label in ["dense fp32 ring"] + [c[0] for c in CONFIGS + RING_VARIANTS] + \
+    for label in ["dense fp32 ring"] + [c[0] for c in CONFIGS + RING_VARIANTS +
+                                         MOMENTUM_VARIANTS] + \
             ["numpy astype(float16)", "numpy argpartition 1%"]:
         kr, ar = k.get(label, {}), a.get(label, {})
         lines.append(f"{label:<24}{_fmt(kr.get('payload_ratio'), '9.4f')}"
@@ -366,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, "compress.csv"), "w") as fh:
             fh.write("compressor,payload_ratio,encode_GBps,bytes_sent_per_rank,wire_ratio,"
                      "allreduce_s\n")
-            for label in ["dense fp32 ring"] + [c[0] for c in CONFIGS + RING_VARIANTS]:
+            for label in ["dense fp32 ring"] + [c[0] for c in CONFIGS + RING_VARIANTS +
+                                                 MOMENTUM_VARIANTS]:
                 kr, ar = kernels.get(label, {}), allreduce[label]
                 fh.write(f"{label},{kr.get('payload_ratio', '')},{kr.get('encode_GBps', '')},"
                          f"{ar['bytes_sent']},{ar['wire_ratio']},{ar['allreduce_s']}\n")

@@ -52,9 +52,16 @@ def test_time_to_accuracy_gives_compressed_runs_the_budget(tmp_path, comm, monke
     budget times as many, and is measured against that reference."""
     from mpidist.bench import compress as bench
     monkeypatch.setattr(bench, "TTA_CONFIGS", [("fp16", "fp16", {})])
+    monkeypatch.setattr(bench, "TTA_OPTIMIZERS", [("1-bit", "onebit_lamb", {"compressor": "sign"})])
     out = comm.comm.bcast(str(tmp_path) if comm.rank == 0 else None, root=0)
     job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "digits_lamb.toml")
     rows = bench._tta(comm, job, out, {"job.epochs": 1, "checkpoint.interval": 0}, budget=2.0)
     assert rows["uncompressed"]["epochs"] == 1 and rows["fp16"]["epochs"] == 2
     ref = rows["uncompressed"]["test_accuracy"]
     assert rows["fp16"]["gap_pp"] == pytest.approx(100 * (rows["fp16"]["test_accuracy"] - ref))
+    # an optimizer row: the job's hyper kept, freeze_step a fraction of the reference's steps
+    steps = rows["uncompressed"]["epochs"] * 11          # digits: 11 steps per epoch
+    assert rows["1-bit"]["epochs"] == 2 and "error" not in rows["1-bit"]
+    assert rows["1-bit"]["options"] == {"optim": "onebit_lamb", "weight_decay": 0.01,
+                                        "compressor": "sign",
+                                        "freeze_step": round(bench.TTA_FREEZE * steps)}
