@@ -22,8 +22,8 @@ repetitions, a first independent sweep); "model us" is its prediction for each a
 "error" its distance to this sweep's median. auto is timed once its on-line trials
 (collectives.autotune) have settled on a pick; the summary says where they overrode the
 model's own choice, and what that choice, timed in the same sweep as one of the algorithms,
-would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference point of
-the issue. Every call goes through the public allreduce() and its result is checked.
+would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference every
+own algorithm is held against. Every call goes through the public allreduce() and its result is checked.
 A reference copy and the machine state (costmodel.machine_state, a 256 KiB MPI_Allreduce),
 timed before the sweep and after each size (bench.steadiness), show how much the machine's
 own speed drifted during the run; the probe stores the state it saw with the model, and
@@ -336,7 +336,8 @@ def _model_rows(rows: list[dict], own: list[str]) -> list[dict]:
 
 
 def _summary(rows, p: int) -> None:
-    """The issue's targets, read off this run."""
+    """The targets (best >= 2x native busbw at 64 MiB, >= the textbook ring; small messages
+    <= 3x native; auto within 10% of the best), read off this run."""
     by = {(r["bytes"], r["algorithm"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     own = [a for a in dict.fromkeys(r["algorithm"] for r in rows)

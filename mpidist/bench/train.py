@@ -4,7 +4,7 @@
     mpidist bench train --ranks 1,2 --steps 10 --out results/bench/train
     python -m mpidist.launcher -n 2 -- mpidist bench train            # one world size only
 
-Model and data as in issue 6: an MLP 1024-2048-2048-10 (6.3M parameters), synthetic inputs,
+Model and data: an MLP 1024-2048-2048-10 (6.3M parameters), synthetic inputs,
 256 samples per rank, momentum SGD, one BLAS thread per rank. At each world size it times:
     compute   the DistributedOptimizer step below with its bucket allreduces left out:
               forward, backward, finiteness agreement, update, zeroing
