@@ -336,8 +336,8 @@ def _model_rows(rows: list[dict], own: list[str]) -> list[dict]:
 
 
 def _summary(rows, p: int) -> None:
-    """The targets (best >= 2x native busbw at 64 MiB, >= the textbook ring; small messages
-    <= 3x native; auto within 10% of the best), read off this run."""
+    """Per size: the best algorithm, mpidist's best against native and the textbook ring,
+    auto against the best, and the cost model's error, read off this run."""
     by = {(r["bytes"], r["algorithm"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     own = [a for a in dict.fromkeys(r["algorithm"] for r in rows)
