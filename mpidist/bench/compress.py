@@ -59,8 +59,8 @@ RING_VARIANTS = [
 
 # the 1-bit optimizers' momentum average after their warm-up (allreduce phase only)
 MOMENTUM_VARIANTS = [
-    ("1-bit momentum: sign", "sign", {}),
-    ("1-bit momentum: randomk 1%", "randomk", {"ratio": 0.01}),
+    ("onebit momentum sign", "sign", {}),
+    ("onebit momentum rk 1%", "randomk", {"ratio": 0.01}),
 ]
 
 
