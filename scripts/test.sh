@@ -10,6 +10,12 @@ venv=$(bash "$here/scripts/setup_env.sh" | tail -n 1) || { echo "environment set
 # shellcheck disable=SC1091
 source "$venv/bin/activate"
 cd "$here"
+# the FT environment (Open MPI 5 wheel with ULFM) for tests/ft, cached like the first one
+if ft_venv=$(MPIDIST_MPI=ompi5-ft bash "$here/scripts/setup_env.sh" | tail -n 1); then
+  export MPIDIST_FT_VENV=$ft_venv
+else
+  echo "[test] the FT environment did not build: tests/ft will skip" >&2
+fi
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$HOME/.cache/mpidist/numba}
 # the torch backend's C++ extension, built once per torch version and cached, so that its
 # tests do not wait for the compiler

@@ -32,18 +32,27 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+import random
+import signal
+import threading
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from mpidist.engine.metrics import setup_logging
 from mpidist.engine.strategy import InMemoryState, replicated_pieces
 from mpidist.errors import ConfigError
 from mpidist.ft import ulfm
 
-__all__ = ["Resilience", "SHARD_ROUTES"]
+__all__ = ["Resilience", "SHARD_ROUTES", "ENV_KILL", "replica", "pieces_cover"]
 
 SHARD_ROUTES = ("neighbour", "checkpoint")
+# Fault injection for the tests and `mpidist bench ft`: "RANK@STEP,...": the rank (of the job
+# at start) SIGKILLs itself 0-50 ms into the step after STEP, first writing the time to
+# <out_dir>/killed-rank<RANK>.txt.
+ENV_KILL = "MPIDIST_FT_KILL"
 log = logging.getLogger("mpidist")
 
 
@@ -67,6 +76,8 @@ class Resilience:
         self._theirs: collections.deque = collections.deque(maxlen=2)  # the left neighbour's
         self._restore = None       # what the next strategy loads: a state, "checkpoint" or None
         self._pending: dict | None = None   # the recovery waiting for its first completed step
+        self._out_dir = config["job"]["out_dir"]
+        self._kill_after = _planned_kills(os.environ.get(ENV_KILL, ""), MPI.COMM_WORLD.Get_rank())
 
     # ------------------------------------------------------------------ the loop's calls
     def run(self, body, config: dict, *args) -> dict:
@@ -91,6 +102,9 @@ class Resilience:
             strategy.load_state_dict(self._restore)
         self._restore = None
         if self._pending is not None:
+            if hook is not None:    # the next interval mark after the newest checkpoint on disk
+                saved = hook.manager.steps()
+                hook.checked_step = saved[-1] if saved else 0
             self._pending["resumed_from"] = strategy.step
             self._pending["steps_redone"] = self._pending.pop("completed") - strategy.step
         self._holder = strategy
@@ -100,6 +114,8 @@ class Resilience:
     def after_step(self, strategy) -> None:
         """After every completed step: keep this step's shard (zero, neighbour route) and
         close the record of a recovery at its first completed step."""
+        if strategy.step in self._kill_after:
+            threading.Timer(random.Random(strategy.step).uniform(0, 0.05), self._die).start()
         if self.route == "neighbour":
             self._snapshot(strategy)
         if self._pending is not None:
@@ -113,6 +129,11 @@ class Resilience:
                             "the failure", ",".join(map(str, rec["lost_ranks"])), rec["step"],
                             rec["new_size"], rec["resumed_from"], rec["steps_redone"], rec["restored_from"],
                             rec["seconds"])
+
+    def _die(self) -> None:
+        with open(os.path.join(self._out_dir, f"killed-rank{MPI.COMM_WORLD.Get_rank()}.txt"), "w") as fh:
+            fh.write(f"{time.time()}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, t_fail: float) -> None:
@@ -182,7 +203,7 @@ class Resilience:
                  for step, pieces, _ in held]
         everyone = self.comm.comm.allgather(index)
         steps = sorted({s for idx in everyone for s, _ in idx}, reverse=True)
-        best = next((s for s in steps if _covered([p for idx in everyone for st, p in idx if st == s])), None)
+        best = next((s for s in steps if pieces_cover([p for idx in everyone for st, p in idx if st == s])), None)
         if best is None:
             if self.comm.rank == 0:
                 log.warning("the lost shards have no surviving copy: restoring from the last checkpoint")
@@ -202,7 +223,16 @@ class Resilience:
         return InMemoryState(best, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, scalars)
 
 
-def _covered(indexes: list[dict]) -> bool:
+def _planned_kills(spec: str, rank: int) -> set[int]:
+    """The steps after which `rank` kills itself, from ENV_KILL's "RANK@STEP,..."."""
+    try:
+        plan = [tuple(int(v) for v in item.split("@")) for item in spec.replace(" ", "").split(",") if item]
+    except ValueError:
+        raise ConfigError(f"{ENV_KILL} must look like 'RANK@STEP,...', got {spec!r}") from None
+    return {step for r, step in plan if r == rank}
+
+
+def pieces_cover(indexes: list[dict]) -> bool:
     """Do these pieces ({key: (shape, offset, count)} per holder) cover every tensor whole?"""
     spans: dict = {}
     for idx in indexes:
