@@ -12,7 +12,9 @@ replicas of a stage hold the same layers, so after the pipeline step
        (zero = 1: ZeRO stage 1 in the dp group: 1'. reduce-scatter of the gradients,
         2'. the optimizer on my shard only, 3'. allgather of the updated shards)
 
-so one step equals a single-rank step on the same model and global batch.
+so one step equals a single-rank step on the same model and global batch. A 1-bit
+optimizer (mpidist.optim.onebit) past its warm-up replaces step 1 (and 1') by its
+compressed momentum exchange over the stage's dp group (mpidist.engine.onebit).
 
 Config ([parallel]): stages, microbatches, schedule (gpipe | 1f1b | interleaved), virtual
 (chunks per rank for interleaved), recompute, partition (params | cost | cuts), cuts, zero;
@@ -33,6 +35,7 @@ from mpi4py import MPI
 from mpidist.collectives import allgather, allreduce, reduce_scatter
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.config import check_support
+from mpidist.engine.onebit import OnebitDriver, is_onebit
 from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
                                      build_optimizer_from_config, flat_pieces, read_flat,
                                      read_params, replicated_pieces)
@@ -108,6 +111,13 @@ class PipelineStrategy(Strategy):
                                          loss=self.loss, recompute=p["recompute"])
         self.algorithm = p["algorithm"]
         self.compressed = build_compression(config, self.grid.dp_comm)   # None: uncompressed
+        self.onebit = None
+        if is_onebit(self.optimizer):       # its momentum goes through the stage's dp group
+            if self.zero:
+                self.optimizer.reduce_max = lambda a: allreduce(
+                    np.ascontiguousarray(a, dtype=np.float64), op="max", comm=self.grid.dp_comm)
+            self.onebit = OnebitDriver(self.optimizer, self.layout, self.grid.dp_comm,
+                                       mult=self.grid.dp_comm.size)
         self.last_stats = None
         if comm.rank == 0:
             names = [prefix.rstrip(".") or type(l).__name__.strip("_").lower()
@@ -150,7 +160,14 @@ class PipelineStrategy(Strategy):
         t_pipe = time.perf_counter() - t0
         self.last_stats = stats
         t1 = time.perf_counter()
-        if self.zero:
+        if self.onebit is not None and self.onebit.frozen:
+            # 1-2. (1-bit optimizer) the compressed momentum exchange and my range's update
+            mine = self.params.data[self.offset:self.offset + self.count]
+            info = self.onebit.step(mine, self.grads.data, reduce_norms=self._reduce_norms)
+            if self.zero:
+                allgather(mine.copy(), comm=dp_comm, out=self.params.data)
+            t_comm, t_optim = time.perf_counter() - t1, 0.0
+        elif self.zero:
             # 1'. reduce-scatter: my shard of the replicas' summed gradients (compressed:
             #     the compressed sum of the whole stage, of which I keep my shard)
             if self.compressed is not None:
@@ -219,10 +236,14 @@ class PipelineStrategy(Strategy):
                 tensors.update(flat_pieces(f"optim/{name}", self.layout, buf, self.offset))
             else:
                 tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, n))
-        scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name}
+        scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name,
+                   "optim_extra": self.optimizer.extra_state()}
         if self.compressed is not None:     # this replica's residuals of its stage's tensors
             tensors.update(compression_pieces(self.compressed, self.layout, r, n))
             scalars["compression"] = compression_scalars(self.compressed)
+        if self.onebit is not None:         # the 1-bit exchange's, per stage and replica
+            tensors.update(self.onebit.pieces(r, n))
+            scalars.update(self.onebit.scalars())
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
@@ -230,9 +251,13 @@ class PipelineStrategy(Strategy):
         for name, buf in self.optimizer.state_buffers().items():
             read_flat(source, f"optim/{name}", self.layout, buf, lo=self.offset)
         self.optimizer.step_count = int(source.scalars.get("optim_step", source.step))
+        if "optim_extra" in source.scalars:
+            self.optimizer.load_extra_state(source.scalars["optim_extra"])
         if self.compressed is not None:
             restore_compression(self.compressed, source, self.layout, [(0, self.layout.numel)],
                                 self.grid.replica, self.grid.dp)
+        if self.onebit is not None:
+            self.onebit.restore(source, [(0, self.layout.numel)], self.grid.replica, self.grid.dp)
         self.step = int(source.step)
         self.grads.data[...] = 0
 

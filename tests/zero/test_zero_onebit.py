@@ -1,7 +1,9 @@
-"""1-bit Adam / 1-bit LAMB in the engines: dp and ZeRO stages 1-3 give the same run (one
-range per step, or buckets with an element-wise compressor); after the warm-up no gradient
-is sent and far fewer bytes go out; a run resumed from its state (in the warm-up or after
-it) continues as the uninterrupted one; settings that cannot work are refused."""
+"""1-bit Adam / 1-bit LAMB in the engines: dp, ZeRO stages 1-3 and a one-stage pipeline
+(with or without its ZeRO-1) give the same run (one range per step, or buckets with an
+element-wise compressor); pipeline stages exchange momentum over their dp groups; after the
+warm-up no gradient is sent and far fewer bytes go out; a run resumed from its state (in
+the warm-up or after it) continues as the uninterrupted one; settings that cannot work are
+refused."""
 import numpy as np
 import pytest
 
@@ -75,6 +77,34 @@ def test_zero_stages_follow_data_parallel(comm, optim, stage, compressor, option
     res, ref = got.tensors[key], want.tensors[key]
     assert res.shape == ref.shape and np.linalg.norm(res) > 0
     assert abs(np.linalg.norm(res) / np.linalg.norm(ref) - 1) < 0.1
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_one_stage_pipeline_follows_data_parallel(comm, zero):
+    dp = build_strategy(config("dp"), comm, META)
+    want_losses, want = run(dp, comm)
+    pipe = build_strategy(config("pipeline", stages=1, microbatches=1, zero=zero), comm, META)
+    losses, got = run(pipe, comm)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+    close(got, want, 1e-4)
+    assert pipe.onebit.frozen
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_stages_exchange_momentum_in_their_dp_groups(comm):
+    stages = 2 if comm.size % 2 == 0 else 1
+    kw = dict(stages=stages, microbatches=2)
+    pipe = build_strategy(config("pipeline", **kw), comm, META)
+    run(pipe, comm, steps=FREEZE + 1)
+    ex = pipe.onebit.ex
+    assert ex.comm.size == comm.size // stages and ex.n == pipe.layout.numel
+    assert (ex.bytes_sent > 0) == (ex.comm.size > 1)
+    saved = gather_state(pipe.state_dict(), comm)
+    resumed = build_strategy(config("pipeline", **kw), comm, META)
+    resumed.load_state_dict(saved)
+    want, _ = run(pipe, comm, steps=2, seed=1)
+    got, _ = run(resumed, comm, steps=2, seed=1)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_after_the_warm_up_only_the_compressed_momentum_goes_out(comm):
