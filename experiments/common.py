@@ -96,6 +96,16 @@ def command_line(name: str, args) -> str:
     return f"python -m experiments.{name}" + (" --quick" if args.quick else "")
 
 
+def costmodel():
+    """mpidist's alpha-beta cost model module (collectives.tuning.costmodel; it lived at
+    collectives.costmodel before), imported when an experiment needs it (it starts MPI)."""
+    try:
+        from mpidist.collectives.tuning import costmodel as module
+    except ImportError:
+        from mpidist.collectives import costmodel as module
+    return module
+
+
 # ---------------------------------------------------------------------- starting ranks
 def worker_argv(name: str, worker_args: list[str]) -> list[str]:
     return [sys.executable, "-m", f"experiments.{name}", "--worker", *worker_args]
