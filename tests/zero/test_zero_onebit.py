@@ -136,6 +136,40 @@ def test_resume_continues_the_uninterrupted_run(comm, strategy, extra, stop):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_resume_at_another_world_size(comm):
+    """Written by p ranks, read by p - 1: the phase goes on (no new warm-up), each new worker
+    residual is the sum of the old ones over the new count, and the server residuals are
+    the same global tensor, cut into the new chunks."""
+    from mpi4py import MPI
+
+    from mpidist.comm import Communicator
+    straight = build_strategy(config("dp"), comm, META)
+    run(straight, comm, steps=FREEZE + 2)
+    saved = gather_state(straight.state_dict(), comm)
+    split = comm.comm.Split(0 if comm.rank < comm.size - 1 else MPI.UNDEFINED, comm.rank)
+    if split == MPI.COMM_NULL:
+        return
+    sub = Communicator(split)
+    try:
+        resumed = build_strategy(config("dp"), sub, META)
+        resumed.load_state_dict(saved)
+        assert resumed.optimizer.frozen and resumed.optimizer.step_count == FREEZE + 2
+        ex, n = resumed.dopt.onebit.ex, resumed.layout.numel
+        rows = np.concatenate([saved.tensors[f"compress/residual/{s.name}"].reshape(comm.size, -1)
+                               for s in resumed.layout], axis=1)
+        np.testing.assert_allclose(ex.worker.compressor.residual, rows.sum(0) / sub.size,
+                                   rtol=1e-5, atol=1e-9)
+        server = np.concatenate([saved.tensors[f"compress/server_residual/{s.name}"].reshape(-1)
+                                 for s in resumed.layout])
+        np.testing.assert_array_equal(ex.server.residual, server[ex.offset:ex.offset + ex.count])
+        assert ex.count < n or sub.size == 1
+        losses, _ = run(resumed, sub, steps=2)
+        assert np.isfinite(losses).all()
+    finally:
+        sub.free()
+
+
 def test_refusals(comm):
     with pytest.raises(ConfigError, match="remove \\[parallel\\] compression"):
         config("dp", compression="topk")
