@@ -44,7 +44,8 @@ class SharedBuffer:
     """A 1-D array of n elements per rank in one shared window (collective construction).
 
     data: this rank's array. allreduce_async(lo, hi) sums data[lo:hi] over the ranks in
-    place and returns a Handle; fence() before writing into a range reduced since.
+    place and returns a Handle; reduce_scatter_async and allgather serve ZeRO's shards;
+    fence() before writing into a range reduced since.
     """
 
     @staticmethod
@@ -90,13 +91,8 @@ class SharedBuffer:
                     time.sleep(20e-6)
         self.win.Sync()
 
-    def _allreduce(self, lo: int, hi: int) -> None:
-        counts, displs = counts_displs(hi - lo, self.size)
-        a = lo + displs[self.rank]
-        b = a + counts[self.rank]
-        # 1. every rank's range is final
-        self._barrier()
-        # 2. my chunk summed in rank order over every slice, into my own slice
+    def _sum_into_mine(self, a: int, b: int) -> None:
+        """data[a:b] = the sum of every slice's [a, b), in rank order, block by block."""
         s = self.slices
         for x in range(a, b, self._block):
             y = min(x + self._block, b)
@@ -105,12 +101,24 @@ class SharedBuffer:
             for k in range(2, self.size):
                 np.add(acc, s[k][x:y], out=acc)
             self.data[x:y] = acc
+
+    def _allreduce(self, lo: int, hi: int) -> None:
+        counts, displs = counts_displs(hi - lo, self.size)
+        a = lo + displs[self.rank]
+        # 1. every rank's range is final
+        self._barrier()
+        # 2. my chunk summed in rank order over every slice, into my own slice
+        self._sum_into_mine(a, a + counts[self.rank])
         # 3. the other ranks' reduced chunks
         self._barrier()
         for j in range(self.size):
             if j != self.rank:
                 x = lo + displs[j]
-                self.data[x:x + counts[j]] = s[j][x:x + counts[j]]
+                self.data[x:x + counts[j]] = self.slices[j][x:x + counts[j]]
+
+    def _reduce_owned(self, lo: int, hi: int, mine: tuple[int, int]) -> None:
+        self._barrier()
+        self._sum_into_mine(max(lo, mine[0]), min(hi, mine[1]))
 
     def allreduce_async(self, lo: int, hi: int) -> Handle:
         """Start summing data[lo:hi] over the ranks (in submission order, collective: every
@@ -120,6 +128,27 @@ class SharedBuffer:
                              f"{self.data.shape[0]} elements")
         fut = self._pool.submit(self._allreduce, int(lo), int(hi))
         return Handle([fut], self.data[lo:hi])
+
+    def reduce_scatter_async(self, lo: int, hi: int, mine: tuple[int, int]) -> Handle:
+        """Start summing over the ranks the part of data[lo:hi] this rank owns, mine =
+        [a, b) (the ranks' owned ranges partition the buffer, as ZeRO's shards); steps 1
+        and 2 of the allreduce. wait() returns data[a:b]."""
+        if not 0 <= lo <= hi <= self.data.shape[0]:
+            raise ValueError(f"range [{lo}, {hi}) is outside the buffer's "
+                             f"{self.data.shape[0]} elements")
+        fut = self._pool.submit(self._reduce_owned, int(lo), int(hi), tuple(mine))
+        return Handle([fut], self.data[mine[0]:mine[1]])
+
+    def allgather(self, bounds) -> None:
+        """Collective: copy every other rank's owned range [bounds[j], bounds[j+1]) out of
+        its slice into mine (ZeRO's parameter allgather, nothing copied in)."""
+        def run():
+            self._barrier()
+            for j in range(self.size):
+                if j != self.rank:
+                    self.data[bounds[j]:bounds[j + 1]] = self.slices[j][bounds[j]:bounds[j + 1]]
+            self._barrier()
+        self._pool.submit(run).result()
 
     def fence(self) -> None:
         """Collective, after waiting for the reductions: no rank still reads my slice."""

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidist.collectives import allreduce_async
+from mpidist.collectives import allgather, allreduce_async, reduce_scatter
 from mpidist.collectives.window import SharedBuffer
 from mpidist.comm import as_communicator
 from mpidist.engine.distributed import make_buckets
@@ -49,6 +49,7 @@ from mpidist.flat import Layout
 from mpidist.kernels.grads_cpu import all_finite, copy_finite
 from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.optim import build_optimizer
+from mpidist.partition import chunk
 from mpidist.torch.tensors import from_numpy, numpy_dtype, to_numpy
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
@@ -168,6 +169,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
     """Collective: every rank takes root_rank's optimizer state (a DistributedOptimizer,
     an mpidist flat optimizer or a torch optimizer)."""
     if isinstance(optimizer, DistributedOptimizer):
+        if optimizer.zero:
+            raise ValueError("under ZeRO each rank holds its own shard of the optimizer "
+                             "state: there is nothing to broadcast (checkpoint it instead)")
         comm = optimizer.comm if comm is None else comm
         optimizer = optimizer.optimizer
     c = as_communicator(comm)
@@ -198,6 +202,11 @@ class DistributedOptimizer:
     bucket_mb: gradient bucket size in MiB (0: one bucket after backward).
     backward_passes_per_step: backward passes summed into each step (accumulation).
     compression: None or a compressor name of mpidist.compress, with compression_options.
+    zero: 0 (data parallel), 1 (ZeRO stage 1: each rank keeps and updates the optimizer
+      state of its shard, chunk(numel, rank, size), then the shards are allgathered) or 2
+      (stage 2: the buckets are reduce-scattered onto the shards' owners, not allreduced).
+      torch's autograd still writes whole gradients, so stage 2 saves communication, not
+      gradient memory. Needs an mpidist optimizer.
     broadcast: start from rank 0's parameters, frozen parameters, buffers and optimizer state.
     Construction is collective.
     """
@@ -205,7 +214,8 @@ class DistributedOptimizer:
     def __init__(self, model, optimizer="sgd", *, comm=None, op: str = "avg",
                  algorithm: str = "auto", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, compression: str | None = None,
-                 compression_options: dict | None = None, broadcast: bool = True, **hyper):
+                 compression_options: dict | None = None, zero: int = 0, broadcast: bool = True,
+                 **hyper):
         self.comm = c = as_communicator(comm)
         error = None
         try:
@@ -218,6 +228,18 @@ class DistributedOptimizer:
                 raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
             if not isinstance(bucket_mb, numbers.Real) or bucket_mb < 0:
                 raise ValueError(f"bucket_mb must be a number >= 0, got {bucket_mb!r}")
+            if zero == 3:
+                raise ValueError("ZeRO stage 3 (parameters sharded and gathered around each "
+                                 "module's forward and backward) is not built for torch "
+                                 "modules; use zero=2 (sharded optimizer state, reduce-"
+                                 "scattered gradients)")
+            if zero not in (0, 1, 2):
+                raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
+            if zero and isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError("ZeRO shards an mpidist optimizer's state: pass an optimizer "
+                                "name (e.g. 'adamw') instead of a torch optimizer")
+            if zero and compression not in (None, "none"):
+                raise ValueError("compression with ZeRO is not supported here; use zero=0")
             if hyper and not isinstance(optimizer, str):
                 raise TypeError(f"hyperparameters {sorted(hyper)} go with an optimizer name "
                                 f"(e.g. DistributedOptimizer(model, 'adamw', lr=1e-3))")
@@ -227,9 +249,11 @@ class DistributedOptimizer:
         _check_same_params(c, named)
         opt_name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
         c.check_same((op, algorithm, float(bucket_mb), int(backward_passes_per_step),
-                      compression, sorted((compression_options or {}).items()), opt_name),
+                      compression, sorted((compression_options or {}).items()), opt_name, zero),
                      "DistributedOptimizer settings (op, algorithm, bucket_mb, "
-                     "backward_passes_per_step, compression, compression_options, optimizer)")
+                     "backward_passes_per_step, compression, compression_options, optimizer, "
+                     "zero)")
+        self.zero = int(zero)
         self.op, self.algorithm = op, algorithm
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.params = [p for _, p in named if p.requires_grad]
@@ -237,8 +261,14 @@ class DistributedOptimizer:
         self.layout = Layout((n, tuple(p.shape)) for n, p in named if p.requires_grad)
         dtype = numpy_dtype(self.params[0].dtype)
         # gradients in a node's shared window are reduced where they lie (no copy in)
-        self.shared = SharedBuffer(self.layout.numel, dtype, c) if compression in (None, "none") \
-            and algorithm == "auto" and SharedBuffer.usable(c, dtype) else None
+        window = compression in (None, "none") and algorithm == "auto" and \
+            SharedBuffer.usable(c, dtype)
+        self.shared = SharedBuffer(self.layout.numel, dtype, c) if window else None
+        self.pshared = SharedBuffer(self.layout.numel, dtype, c) if window and zero else None
+        n = self.layout.numel
+        offset, count = chunk(n, c.rank, c.size) if zero else (0, n)
+        self.shard = (offset, offset + count)       # the range this rank's optimizer updates
+        self.bounds = [chunk(n, r, c.size)[0] for r in range(c.size)] + [n]
         self._rehome(dtype)
         self.optimizer = self._build_optimizer(optimizer, hyper)
         self.compressed = None
@@ -266,12 +296,14 @@ class DistributedOptimizer:
             if isinstance(model, torch.nn.Module):
                 for _, b in model.named_buffers():
                     _bcast_tensor(c, b.data, 0)
-            broadcast_optimizer_state(self.optimizer, 0, c)
+            if not self.zero:                # ZeRO: each rank holds its own shard's state
+                broadcast_optimizer_state(self.optimizer, 0, c)
 
     # ------------------------------------------------------------------ set-up
     def _rehome(self, dtype) -> None:
         """Move every trainable parameter and its gradient into the flat buffers."""
-        self.flat_params = np.empty(self.layout.numel, dtype)
+        self.flat_params = np.empty(self.layout.numel, dtype) if self.pshared is None \
+            else self.pshared.data
         self.flat_grads = np.zeros(self.layout.numel, dtype) if self.shared is None \
             else self.shared.data
         tp, tg = from_numpy(self.flat_params), from_numpy(self.flat_grads)
@@ -290,8 +322,9 @@ class DistributedOptimizer:
     def _build_optimizer(self, optimizer, hyper):
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
+        a, b = self.shard
         if isinstance(optimizer, str):
-            opt = build_optimizer(optimizer, self.layout, **hyper)
+            opt = build_optimizer(optimizer, self.layout, offset=a, count=b - a, **hyper)
         elif isinstance(optimizer, FlatOptimizer):
             opt = optimizer
         elif callable(optimizer):
@@ -301,9 +334,9 @@ class DistributedOptimizer:
                             f"callable(layout) or a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
         if not isinstance(opt, FlatOptimizer) or opt.layout != self.layout or \
-                (opt.offset, opt.count) != (0, self.layout.numel):
-            raise ValueError("the mpidist optimizer must cover this model's whole layout "
-                             "(DistributedOptimizer.layout)")
+                (opt.offset, opt.count) != (a, b - a):
+            raise ValueError(f"the mpidist optimizer must cover [{a}, {b}) of this model's "
+                             f"layout (DistributedOptimizer.layout, .shard)")
         return opt
 
     # ------------------------------------------------------------------ backward
@@ -358,14 +391,17 @@ class DistributedOptimizer:
         while len(self._handles) < len(self.buckets) and self._pending[len(self._handles)] == 0:
             lo, hi = self.buckets[len(self._handles)]
             buf = self.flat_grads[lo:hi]
-            if self.shared is not None:
+            if self.comm.size == 1:
+                h = None
+            elif self.zero == 2:             # without the window: one reduce-scatter in step()
+                h = None if self.shared is None else \
+                    self.shared.reduce_scatter_async(lo, hi, self.shard)
+            elif self.shared is not None:
                 h = self.shared.allreduce_async(lo, hi)
             elif self.compressed is not None:
                 h = self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
-            elif self.comm.size > 1:
-                h = allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
             else:
-                h = None
+                h = allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
             self._handles.append((buf, h))
         self._t_launch += time.perf_counter() - t0
 
@@ -384,12 +420,16 @@ class DistributedOptimizer:
         for buf, h in self._handles:
             if h is not None:
                 out = h.wait()
-                if out is not buf:
+                if self.compressed is not None:      # a new array: the compressed sum
                     buf[...] = out
         if req is not None:
             req.Wait()
         if self.shared is not None:
             self.shared.fence()             # nobody reads my gradients any more
+        elif self.zero == 2 and c.size > 1:
+            a, b = self.shard
+            reduce_scatter(self.flat_grads, op="sum", comm=c, out=self.flat_grads[a:b],
+                           algorithm="auto" if self.algorithm == "auto" else "ring")
         if flag[1] > 0:                     # every bucket went out and came back first
             error = RuntimeError("; ".join(self._errors)) if self._errors else None
             self._new_round()
@@ -415,14 +455,32 @@ class DistributedOptimizer:
                     from_numpy(self.flat_grads).mul_(1.0 / scale)
                 self.optimizer.step()
             else:
-                out = self.optimizer.step(self.flat_params, self.flat_grads, finite=True,
-                                          loss_scale=scale)
+                a, b = self.shard
+                out = self.optimizer.step(self.flat_params[a:b], self.flat_grads[a:b],
+                                          finite=True, loss_scale=scale,
+                                          reduce_norms=self._reduce_norms if self.zero else None)
                 info.update(lr=out.lr, optim_step=out.step)
+                if self.zero and self.comm.size > 1:
+                    self._gather_params()
         t2 = time.perf_counter()
         self.last_step = {**info, "t_launch": self._t_launch, "t_wait": t1 - t0,
                           "t_optim": t2 - t1}
         self._new_round()
         return loss
+
+    def _reduce_norms(self, partials):
+        """LARS/LAMB under ZeRO: per-tensor partial sums of squares summed over shards."""
+        if self.comm.size > 1:
+            self.comm.comm.Allreduce(MPI.IN_PLACE, partials, op=MPI.SUM)
+        return partials
+
+    def _gather_params(self) -> None:
+        """ZeRO: every rank's updated shard into every rank's whole parameter buffer."""
+        if self.pshared is not None:
+            self.pshared.allgather(self.bounds)
+        else:
+            a, b = self.shard
+            allgather(self.flat_params[a:b].copy(), out=self.flat_params, comm=self.comm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients. set_to_none: `.grad` becomes None until the next backward
@@ -465,6 +523,14 @@ class DistributedOptimizer:
             self.flat_grads = grads
             self.shared.free()
             self.shared = None
+        if self.pshared is not None:
+            params = self.flat_params.copy()
+            tp = from_numpy(params)
+            for s, p in zip(self.layout, self.params):
+                p.data = tp[s.offset:s.stop].view(s.shape)
+            self.flat_params = params
+            self.pshared.free()
+            self.pshared = None
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({len(self.params)} tensors, {self.layout.numel} "

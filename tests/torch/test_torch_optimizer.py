@@ -304,3 +304,34 @@ def test_more_backward_passes_than_declared_fail_everywhere(comm):
     with pytest.raises((RuntimeError, RemoteError), match="backward_passes_per_step|rank"):
         opt.step()
     opt.close()
+
+
+# ---------------------------------------------------------------- ZeRO
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("name,algorithm", [("adamw", "auto"), ("lamb", "ring")])
+def test_zero_equals_data_parallel(comm, zero, name, algorithm):
+    # "auto": gradients and parameters in shared windows; "ring": the collectives
+    (opt_name, hyper), _ = OPTIMIZERS[name]
+    data = batches(4, comm.size)
+    model, ref = make_model(), make_model()
+    opt = mt.DistributedOptimizer(model, opt_name, comm=comm, zero=zero, bucket_mb=1e-3,
+                                  algorithm=algorithm, **hyper)
+    ropt = mt.DistributedOptimizer(ref, opt_name, comm=comm, **hyper)
+    a, b = opt.shard
+    assert opt.optimizer.count == b - a <= -(-opt.layout.numel // comm.size)
+    train(opt, model, data, comm.rank)
+    train(ropt, ref, data, comm.rank)
+    assert_same_params(model, ref)
+    every = comm.comm.allgather(opt.flat_params.tobytes())
+    assert all(e == every[0] for e in every)
+    opt.close()
+    ropt.close()
+
+
+def test_zero_3_and_torch_optimizers_refused_everywhere(comm):
+    model = make_model()
+    with pytest.raises(ValueError, match="stage 3"):
+        mt.DistributedOptimizer(model, "adamw", comm=comm, zero=3)
+    with pytest.raises(TypeError, match="optimizer name"):
+        mt.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), comm=comm,
+                                zero=1)
