@@ -10,7 +10,7 @@ revoked), every survivor:
                               threads, scratch and the guard's records start afresh)
   2. agrees on the state      on the step to continue from and where its tensors come from:
         dp                    every survivor holds a whole replica; they differ by at most the
-                              step in flight (some finished it before the others noticed), so
+                              step in flight (some finished it before the others noticed): then
                               the newest one is broadcast from the lowest rank holding it
         zero, "neighbour"     after every step each rank keeps a copy of its shard and sends
                               one to its right neighbour (the last two steps of each); the
@@ -50,8 +50,8 @@ __all__ = ["Resilience", "SHARD_ROUTES", "ENV_KILL", "replica", "pieces_cover"]
 
 SHARD_ROUTES = ("neighbour", "checkpoint")
 # Fault injection for the tests and `mpidist bench ft`: "RANK@STEP,...": the rank (of the job
-# at start) SIGKILLs itself 0-50 ms into the step after STEP, first writing the time to
-# <out_dir>/killed-rank<RANK>.txt.
+# at start) SIGKILLs itself 0-50 ms into the step after STEP ("RANK@recovery": in its first
+# recovery, once shrunk), first writing the time to <out_dir>/killed-rank<RANK>.txt.
 ENV_KILL = "MPIDIST_FT_KILL"
 log = logging.getLogger("mpidist")
 
@@ -106,7 +106,7 @@ class Resilience:
                 saved = hook.manager.steps()
                 hook.checked_step = saved[-1] if saved else 0
             self._pending["resumed_from"] = strategy.step
-            self._pending["steps_redone"] = self._pending.pop("completed") - strategy.step
+            self._pending["steps_redone"] = max(0, self._pending.pop("completed") - strategy.step)
         self._holder = strategy
         if self.route == "neighbour":
             self._snapshot(strategy)
@@ -144,6 +144,8 @@ class Resilience:
         while True:
             self.comm, gone = ulfm.shrink(self.comm)
             lost += gone
+            if "recovery" in self._kill_after:
+                self._die()
             setup_logging(self.comm.rank, self.comm.size)
             try:
                 completed = max(self.comm.comm.allgather(completed))
@@ -175,13 +177,12 @@ class Resilience:
         best = max(steps)
         if best < 0:
             return None                  # failed before any strategy existed: start afresh
-        donor = steps.index(best)
-        state = None
-        if self.comm.rank == donor:
-            state = held if isinstance(held, InMemoryState) else replica(held)
-        state = self.comm.comm.bcast(state, root=donor)
-        self._holder = state
-        return state
+        mine = None if held is None or held.step != best else (
+            held if isinstance(held, InMemoryState) else replica(held))
+        if min(steps) != best:          # some survivors lag the step in flight: the donor's
+            mine = self.comm.comm.bcast(mine, root=steps.index(best))
+        self._holder = mine
+        return mine
 
     # ------------------------------------------------------------------ zero: neighbour copies
     def _snapshot(self, strategy) -> None:
@@ -223,13 +224,15 @@ class Resilience:
         return InMemoryState(best, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, scalars)
 
 
-def _planned_kills(spec: str, rank: int) -> set[int]:
-    """The steps after which `rank` kills itself, from ENV_KILL's "RANK@STEP,..."."""
+def _planned_kills(spec: str, rank: int) -> set:
+    """The steps after which `rank` kills itself (and "recovery"), from ENV_KILL's "RANK@STEP,..."."""
     try:
-        plan = [tuple(int(v) for v in item.split("@")) for item in spec.replace(" ", "").split(",") if item]
+        plan = [(int(r), w if w == "recovery" else int(w))
+                for r, w in (item.split("@") for item in spec.replace(" ", "").split(",") if item)]
     except ValueError:
-        raise ConfigError(f"{ENV_KILL} must look like 'RANK@STEP,...', got {spec!r}") from None
-    return {step for r, step in plan if r == rank}
+        raise ConfigError(f"{ENV_KILL} must look like 'RANK@STEP,...' (STEP a number or "
+                          f"'recovery'), got {spec!r}") from None
+    return {when for r, when in plan if r == rank}
 
 
 def pieces_cover(indexes: list[dict]) -> bool:

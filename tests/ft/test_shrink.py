@@ -148,6 +148,14 @@ def test_two_successive_failures(ft_python, baseline, tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_a_failure_while_recovering_is_recovered_too(ft_python, baseline, tmp_path):
+    step = random.randrange(5, TOTAL - 10)
+    what = f"rank 3 killed after step {step}, rank 1 in the recovery that follows"
+    rc, log = train(ft_python, tmp_path, kill=f"3@{step},1@recovery")
+    check_recovered(tmp_path, rc, log, baseline, [[1, 3]], what)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("route", ["neighbour", "checkpoint"])
 def test_zero2_restores_the_lost_shard(ft_python, baseline, tmp_path, route):
     rank, step = random.randrange(0, 4), random.randrange(55, TOTAL - 10)
