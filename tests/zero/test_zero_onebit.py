@@ -170,6 +170,29 @@ def test_resume_at_another_world_size(comm):
         sub.free()
 
 
+def test_distributed_optimizer_avg_and_sum_conventions_agree(comm):
+    """for_arrays with op="avg" (each rank passes its mean gradient) and op="sum" (its share
+    of the sum) feed the same local momenta to the exchange: the same parameters."""
+    from mpidist.engine.distributed import DistributedOptimizer
+    from mpidist.optim import build_optimizer
+
+    def make(layout):
+        return build_optimizer("onebit_adam", layout, lr=0.01, freeze_step=2)
+
+    out = []
+    for op in ("avg", "sum"):
+        rng = np.random.default_rng(0)
+        arrays = [np.ones((6, 5), np.float32), np.zeros(5, np.float32)]
+        dopt = DistributedOptimizer.for_arrays(arrays, make, comm=comm, op=op)
+        for _ in range(6):
+            grads = [rng.standard_normal((comm.size,) + a.shape).astype(np.float32)[comm.rank]
+                     for a in arrays]
+            dopt.step([g if op == "avg" else g / np.float32(comm.size) for g in grads])
+        assert dopt.onebit.frozen
+        out.append(np.concatenate([a.ravel() for a in arrays]))
+    np.testing.assert_allclose(out[0], out[1], rtol=1e-4, atol=1e-6)
+
+
 def test_refusals(comm):
     with pytest.raises(ConfigError, match="remove \\[parallel\\] compression"):
         config("dp", compression="topk")
