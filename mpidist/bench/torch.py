@@ -11,6 +11,8 @@ the machine's load hits all alike; each step starts after a barrier):
     torch      plain torch, torch.optim.SGD(foreach=True), no communication
     ddp        torch.nn.parallel.DistributedDataParallel over gloo, the same SGD
     mpidist    mpidist.torch.DistributedOptimizer("sgd"): dp, buckets during backward
+    zero2      the same with zero=2: buckets reduce-scattered, momentum sharded, parameters
+               allgathered after the update
 Each step is split into compute (forward and backward: for ddp with its overlapped
 communication), exposed communication (ddp: its forward+backward minus plain torch's in
 the same round; mpidist: the wait in step()) and optimizer; times are the slowest rank's,
@@ -31,7 +33,7 @@ import numpy as np
 
 __all__ = ["main"]
 
-VARIANTS = ("torch", "ddp", "mpidist")
+VARIANTS = ("torch", "ddp", "mpidist", "zero2")
 IN, HIDDEN, CLASSES = 1024, 2048, 10
 
 
@@ -117,9 +119,9 @@ def _worker(args) -> dict:
             return t1 - t0, 0.0, time.perf_counter() - t1
         steps["ddp"] = ddp_step
 
-    if "mpidist" in args.variants:
+    def mpidist_variant(zero):
         mnet = _mlp()
-        mopt = mt.DistributedOptimizer(mnet, "sgd", lr=0.01, momentum=0.9, comm=comm,
+        mopt = mt.DistributedOptimizer(mnet, "sgd", lr=0.01, momentum=0.9, comm=comm, zero=zero,
                                        bucket_mb=args.bucket_mb, algorithm=args.algorithm)
 
         def mpidist_step():
@@ -130,7 +132,11 @@ def _worker(args) -> dict:
             mopt.step()
             t = mopt.last_step
             return t1 - t0, t["t_wait"], t["t_optim"]
-        steps["mpidist"] = mpidist_step
+        return mpidist_step
+
+    for name, zero in (("mpidist", 0), ("zero2", 2)):
+        if name in args.variants:
+            steps[name] = mpidist_variant(zero)
 
     times = {k: [] for k in steps}
     for i in range(args.warmup + args.steps):

@@ -176,10 +176,11 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
         optimizer = optimizer.optimizer
     c = as_communicator(comm)
     if isinstance(optimizer, FlatOptimizer):
-        for _, b in sorted(optimizer.state_buffers().items()):
+        sd = optimizer.state_dict()
+        for _, b in sorted(sd["state"].items()):
             c.comm.Bcast(b, root=root_rank)
-        optimizer.step_count = c.comm.bcast(optimizer.step_count, root=root_rank)
-        optimizer._master_ready = optimizer.step_count > 0
+        sd["step"] = c.comm.bcast(sd["step"], root=root_rank)
+        optimizer.load_state_dict(sd)
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a DistributedOptimizer, an mpidist optimizer or a "
@@ -324,7 +325,8 @@ class DistributedOptimizer:
             return optimizer
         a, b = self.shard
         if isinstance(optimizer, str):
-            opt = build_optimizer(optimizer, self.layout, offset=a, count=b - a, **hyper)
+            opt = build_optimizer(optimizer, self.layout, offset=a, count=b - a,
+                                  param_dtype=self.flat_params.dtype, **hyper)
         elif isinstance(optimizer, FlatOptimizer):
             opt = optimizer
         elif callable(optimizer):
