@@ -1,4 +1,4 @@
-"""`mpidist info | train | bench | explain | run`: the command-line entry points.
+"""`mpidist info | train | bench | tune | explain | run`: the command-line entry points.
 
 Subcommands import their modules lazily, so `mpidist run` starts mpiexec without
 initialising MPI itself, and `mpidist --help` is instant.
@@ -17,7 +17,8 @@ __all__ = ["main", "info"]
 
 _DISPATCH = {
     "train": ("mpidist.engine.train", "run a training job from a TOML config: mpidist train CONFIG"),
-    "explain": ("mpidist.collectives.select", "predicted vs measured time of every allreduce algorithm"),
+    "tune": ("mpidist.collectives.tuning.tune", "time the allreduce algorithms, write auto's decision table"),
+    "explain": ("mpidist.collectives.tuning.explain", "model vs table vs measured time of every allreduce algorithm"),
     "doctor": ("mpidist.doctor", "check this launch: one job, MPI library, threads, placement, GPUs, HDF5"),
 }
 
@@ -31,14 +32,13 @@ def info(argv: list[str] | None = None) -> int:
     import platform
     from mpi4py import MPI
     import mpidist
-    from mpidist.collectives import autotune, costmodel
+    from mpidist.collectives import select
     from mpidist.comm import Communicator, mpi_library
     from mpidist.h5 import parallel_hdf5
     from mpidist.kernels.backend import cupy_available, gpu_available
 
     comm = Communicator(ranks_per_node=args.ranks_per_node)
     hosts = comm.comm.gather(MPI.Get_processor_name(), root=0)
-    model_path = costmodel.cache_path(comm)             # collective
     if comm.rank == 0:
         import h5py
         import numba
@@ -59,7 +59,7 @@ def info(argv: list[str] | None = None) -> int:
             ("CuPy", "yes, GPU present" if gpu_available() else
                      ("installed, no GPU" if cupy_available() else "not installed")),
             ("Python", f"{platform.python_version()} on {platform.machine()}"),
-            ("allreduce auto", _auto_line(model_path, autotune.enabled())),
+            ("allreduce auto", _auto_line(select, comm)),
         ]
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
@@ -69,16 +69,12 @@ def info(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _auto_line(path: str, trials: bool) -> str:
-    """How "auto" will choose on this layout: the cached cost model and remembered picks."""
-    import json
+def _auto_line(select, comm) -> str:
+    """Where "auto" takes its choices from on this layout: a table, or the built-in rule."""
     try:
-        with open(path) as fh:
-            picks = len(json.load(fh).get("picks", {}))
-        model = f"cost model cached at {path}, {picks} size classes with a remembered pick"
-    except (OSError, ValueError):
-        model = f"no cost model cached yet (the first auto call probes, then caches it at {path})"
-    return f"{model}; on-line trials {'on' if trials else 'off (MPIDIST_AUTOTUNE=0)'}"
+        return select.describe(comm)
+    except ValueError as exc:
+        return f"{exc}"
 
 
 def _bench_names() -> list[str]:

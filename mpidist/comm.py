@@ -11,9 +11,7 @@ import functools
 import os
 import subprocess
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from mpi4py import MPI
 
@@ -74,9 +72,6 @@ class Communicator:
     Construction is collective over `comm`.
     """
 
-    # algorithm="auto"'s decisions on this communicator, bytes reduced -> algorithm: the
-    # tuner (collectives.autotune) puts its own dict here, read on every auto call
-    auto_picks: Mapping[int, str] = MappingProxyType({})
     # the flight recorder's record of the calls made on this communicator (collectives.flight)
     flight_record = None
 

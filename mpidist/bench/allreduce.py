@@ -6,6 +6,7 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
     python -m mpidist.launcher -n 2 -- mpidist bench allreduce --calibrate
     MPIDIST_RANKS_PER_NODE=2 python -m mpidist.launcher -n 4 -- mpidist bench allreduce
     python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
+    python -m mpidist.launcher -n 4 -- mpidist bench allreduce --table allreduce-table.json
 
 For each size (bytes of --dtype, float32 by default; half precision is reduced in float32,
 so its model column and auto's choice are for the widened bytes) and algorithm: time of one
@@ -19,11 +20,12 @@ is the public allreduce's default, with the algorithm it ran in brackets; its di
 is timed separately and printed in the header. The model is probed afresh at the start
 (--no-refit keeps the cached one; --calibrate probes at exactly this sweep's sizes and
 repetitions, a first independent sweep); "model us" is its prediction for each algorithm,
-"error" its distance to this sweep's median. auto is timed once its on-line trials
-(collectives.autotune) have settled on a pick; the summary says where they overrode the
-model's own choice, and what that choice, timed in the same sweep as one of the algorithms,
-would have cost. "textbook" is the 20-line blocking Sendrecv ring, the reference every
-own algorithm is held against. Every call goes through the public allreduce() and its result is checked.
+"error" its distance to this sweep's median. auto runs the decision table's pick (--table,
+else env MPIDIST_ALGORITHM_TABLE; without one the built-in rule's: collectives.select); the
+summary also says what the model's own choice, timed in the same sweep as one of the
+algorithms, would have cost. "textbook" is the 20-line blocking Sendrecv ring, the
+reference every own algorithm is held against. Every call goes through the public
+allreduce() and its result is checked.
 A reference copy and the machine state (costmodel.machine_state, a 256 KiB MPI_Allreduce),
 timed before the sweep and after each size (bench.steadiness), show how much the machine's
 own speed drifted during the run; the probe stores the state it saw with the model, and
@@ -44,7 +46,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives.costmodel import STATE_BYTES, STATE_TOLERANCE, state_held
+from mpidist.collectives.tuning.costmodel import STATE_BYTES, STATE_TOLERANCE, state_held
 
 __all__ = ["main", "textbook_ring"]
 
@@ -75,7 +77,7 @@ def textbook_ring(comm, x) -> None:
 
 def _parse(argv):
     from mpidist.collectives import ALGORITHMS
-    from mpidist.collectives.select import parse_sizes
+    from mpidist.sizes import parse_sizes
     p = argparse.ArgumentParser(prog="mpidist bench allreduce",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=parse_sizes,
@@ -100,6 +102,9 @@ def _parse(argv):
     p.add_argument("--calibrate", action="store_true",
                    help="fit the cost model from a first sweep of these sizes (not cached) "
                         "and report its error on the second, timed sweep")
+    p.add_argument("--table", default=None,
+                   help="auto's decision table (default: env MPIDIST_ALGORITHM_TABLE, else the "
+                        "built-in rule)")
     p.add_argument("--out", default=os.path.join("results", "bench", "allreduce"),
                    help="output directory")
     args = p.parse_args(argv)
@@ -119,12 +124,11 @@ MIN_ROUNDS = 3
 def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed: int):
     """{algorithm: (seconds per round, result ok)} and the rounds, for one size.
 
-    One checked warm-up call each (auto's first call of a size runs its on-line trials,
-    so it is timed settled, as a training loop's thousands of calls see it), then
-    interleaved rounds (costmodel.time_rounds), as many as fit in about `seconds` per
-    algorithm, at least MIN_ROUNDS, at most reps."""
+    One checked warm-up call each (scratch buffers, windows), then interleaved rounds
+    (costmodel.time_rounds), as many as fit in about `seconds` per algorithm, at least
+    MIN_ROUNDS, at most reps."""
     from mpidist.collectives import allreduce
-    from mpidist.collectives.costmodel import time_rounds
+    from mpidist.collectives.tuning.costmodel import time_rounds
 
     def call(alg):
         if alg == "textbook":
@@ -198,11 +202,14 @@ def _plot(rows, path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mpidist.bench.steadiness import Steadiness
-    from mpidist.collectives import autotune, costmodel
+    from mpidist.collectives import select
     from mpidist.collectives.ops import accumulator_dtype
-    from mpidist.collectives.select import format_size
+    from mpidist.collectives.tuning import costmodel
     from mpidist.comm import Communicator, mpi_library
+    from mpidist.sizes import format_size
     args = _parse(argv)
+    if args.table:
+        select.use_table(args.table)
     c = Communicator(ranks_per_node=args.ranks_per_node)
     p = c.size
     seed = c.comm.bcast(args.seed, root=0)
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
               f"load average {load:.1f} on {os.cpu_count()} cores; {probed}; auto dispatch "
               f"{dispatch['choose'] * 1e9:.0f} ns lookup, "
               f"{(dispatch['prepare_auto'] - dispatch['prepare_native']) * 1e9:+.0f} ns "
-              f"vs an explicit algorithm's argument check")
+              f"vs an explicit algorithm's argument check; auto: {select.describe(c)}")
     if c.rank == 0:
         print(header)
         print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'spread':>7} {'algbw GB/s':>11} "
@@ -237,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     steadiness = Steadiness(c.comm)
     steadiness.sample()
     rows = []
-    tuned = autotune.tuner(c)
     for k, nbytes in enumerate(args.sizes):
         x = np.ones(max(1, nbytes // args.dtype.itemsize), args.dtype)
         reduced = x.size * accumulator_dtype(x.dtype).itemsize    # the bytes auto judges
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
             model_pick = model.choose(reduced) if alg == "auto" else None
-            pick = tuned.decisions.get(reduced, model_pick) if alg == "auto" else alg
+            pick = select.choose(c, reduced) if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
             pred = model.predict(pick, reduced) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
                        "load_before": load, "load_after": os.getloadavg()[0],
                        "dispatch_s": dispatch, "steadiness": steadiness.summary(),
-                       "model": model.to_json(), "autotune": tuned.trials, "rows": rows}, f,
+                       "model": model.to_json(), "auto": select.describe(c), "rows": rows}, f,
                       indent=1)
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")
@@ -357,16 +363,15 @@ def _summary(rows, p: int) -> None:
                          f"{by[s, 'native']['time_us'] / top['time_us']:.2f}x native busbw")
         if (s, "auto") in by:
             auto = by[s, "auto"]
-            trials = "" if auto["pick"] == auto["model_pick"] else \
-                f", trials overrode the model's {auto['model_pick']}"
+            notes = ""
             if auto["pick"] == best["algorithm"]:
-                trials += "; auto ran the best itself: the gap is its dispatch and the " \
+                notes += "; auto ran the best itself: the gap is its dispatch and the " \
                     "sweep's noise"
             if not _state_held(auto):
                 before, after = auto["state_around_s"]
-                trials += f"; the machine state moved {after / before:.2f}x during this size"
+                notes += f"; the machine state moved {after / before:.2f}x during this size"
             line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
-                     f"({auto['vs_best_paired']:.2f}x paired{trials})")
+                     f"({auto['vs_best_paired']:.2f}x paired{notes})")
         errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]
                 if (s, a) in by and by[s, a]["model_error"] is not None]
         if errs and s >= (64 << 10):
@@ -408,7 +413,7 @@ def _summary(rows, p: int) -> None:
                 alone.append((by[s, pick]["time_us"] / best_us, s, pick))
         if alone:
             w = max(alone)
-            print(f"  the model's choice alone, without the trials: worst {w[0]:.2f}x at "
+            print(f"  the model's choice instead of auto's: worst {w[0]:.2f}x at "
                   f"{w[1]} B ({w[2]})")
     model_rows = _model_rows(rows, own)
     errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in model_rows]

@@ -190,7 +190,7 @@ def _print(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpidist.collectives.select import parse_sizes
+    from mpidist.sizes import parse_sizes
     ap = argparse.ArgumentParser(prog="mpidist bench gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=64 * 2**20,
                     help="float32 elements of the optimizer and compressor phases (64M)")

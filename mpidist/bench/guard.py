@@ -15,8 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import allreduce, guard
-from mpidist.collectives.costmodel import time_rounds
-from mpidist.collectives.select import parse_sizes
+from mpidist.collectives.tuning.costmodel import time_rounds
+from mpidist.sizes import parse_sizes
 from mpidist.comm import Communicator
 
 __all__ = ["main", "measure"]

@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives.costmodel import STATE_BYTES, machine_state
+from mpidist.collectives.tuning.costmodel import STATE_BYTES, machine_state
 
 __all__ = ["Steadiness", "REFERENCE_BYTES"]
 

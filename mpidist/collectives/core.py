@@ -7,8 +7,6 @@ wants); with `out=` the result goes to out and buf is left unchanged. `reduce_sc
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from mpidist.collectives import flight, guard, native, ring, select, shm
@@ -21,14 +19,15 @@ from mpidist.comm import as_communicator
 from mpidist.kernels.backend import get_array_module, is_cupy
 from mpidist.partition import chunk, counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run_allreduce"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run_allreduce",
+           "reduced_bytes", "flat_view", "check_out", "read_only"]
 
 _PARTS = {"ring": ring, "shm": shm, "native": native}
 _WIDE, _WIDE_SHARD = 90, 91     # scratch slots of the float32 copies of half precision data
 _STAGE_IN, _STAGE_OUT = 92, 93  # pinned host slots of CuPy data staged for a host-only MPI
 
 
-def _flat(x, what: str):
+def flat_view(x, what: str):
     """A 1-D view of a contiguous NumPy/CuPy array; TypeError/ValueError otherwise (other
     arrays reach here as such views: accept_arrays)."""
     if not (isinstance(x, np.ndarray) or is_cupy(x)):
@@ -41,8 +40,8 @@ def _flat(x, what: str):
     return x if x.ndim == 1 else x.reshape(-1)
 
 
-def _check_out(out, like, n: int, what: str):
-    out_flat = _flat(out, "out")
+def check_out(out, like, n: int, what: str):
+    out_flat = flat_view(out, "out")
     if out.dtype != like.dtype:
         raise TypeError(f"out has dtype {out.dtype} but {what} has {like.dtype}; they must match")
     if out_flat.size != n:
@@ -52,7 +51,7 @@ def _check_out(out, like, n: int, what: str):
     return out_flat
 
 
-def _read_only(a) -> bool:
+def read_only(a) -> bool:
     """A read-only NumPy array (CuPy arrays have no read-only mode, nor flags.writeable)."""
     return not is_cupy(a) and not a.flags.writeable
 
@@ -107,53 +106,37 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     """Check the arguments on every rank together (mismatch guard included).
 
     Returns (comm, x, y, op, algorithm name, entry): x the flat input, y the flat output (x
-    itself in place); "auto" is resolved here, identically on every rank (the first call of a
-    size may time candidates on x first: autotune); entry is the call's flight record, which
-    the caller ends (flight.end) once the reduction is complete.
+    itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
+    every rank holding the same table: the guard compares the resolved name too); entry is
+    the call's flight record, which the caller ends (flight.end) once the reduction is
+    complete.
     """
     c = as_communicator(comm)
-    error, signature = None, None
+    error, signature, name = None, None, algorithm
     try:
-        x = _flat(buf, "buf")
+        x = flat_view(buf, "buf")
         opx = get_op(op)
-        if algorithm != "auto":
+        if algorithm == "auto":
+            name = select.choose(c, reduced_bytes(x))
+        else:
             get_algorithm(algorithm)
-        y = x if out is None or out is buf else _check_out(out, buf, x.size, "buf")
+        y = x if out is None or out is buf else check_out(out, buf, x.size, "buf")
         if y is not x and _overlap(x, y):
             raise ValueError("out overlaps buf; pass out=None to reduce in place")
-        if _read_only(y):
+        if read_only(y):
             raise ValueError("the result array is read-only; pass a writeable out=")
         signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
-                     ("algorithm", algorithm))
+                     ("algorithm", algorithm if name == algorithm else f"auto: {name}"))
     except (TypeError, ValueError) as exc:
         error = exc
     entry = guard.check(c, signature, error)
-    if algorithm != "auto":
-        return c, x, y, opx, algorithm, entry
-    # the bytes reduced: half precision is widened to float32 (the only 2-byte dtypes)
-    nbytes = x.nbytes if x.itemsize > 2 else 2 * x.nbytes
-    if not nbytes:
-        return c, x, y, opx, "native", entry
-    try:
-        return c, x, y, opx, c.auto_picks.get(nbytes) or select.choose(c, nbytes, x, opx), entry
-    except BaseException:
-        flight.end(entry)
-        raise
+    return c, x, y, opx, name, entry
 
 
-def trial_runner(c, x, opx):
-    """auto's trials on x: a function(algorithm) -> seconds that copies x into a scratch
-    buffer (x is left as it was), waits for every rank, and times the algorithm reducing
-    the copy in place, as a gradient fresh from backward is reduced."""
-    work = get_array_module(x).empty_like(x)
-
-    def seconds(algorithm: str) -> float:
-        work[...] = x
-        c.comm.Barrier()
-        t0 = time.perf_counter()
-        run_allreduce(c, work, work, opx, algorithm)
-        return time.perf_counter() - t0
-    return seconds
+def reduced_bytes(x) -> int:
+    """The bytes an allreduce of x reduces, which auto's choice is keyed by: half precision
+    is widened to float32 (the only 2-byte dtypes)."""
+    return x.nbytes if x.itemsize > 2 else 2 * x.nbytes
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:
@@ -179,8 +162,9 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
     """Reduce `buf` over all ranks of `comm`; every rank gets the same bits.
 
     op: "sum", "avg", "min", "max", "prod". algorithm: a name in ALGORITHMS or "auto"
-    (cheapest by the cost model). out=None reduces in place and returns buf; otherwise the
-    result goes to out (same dtype and size) and out is returned.
+    (select.choose: the decision table's entry, or the built-in rule). out=None reduces in
+    place and returns buf; otherwise the result goes to out (same dtype and size) and out
+    is returned.
     """
     c, x, y, opx, name, entry = prepare_allreduce(comm, buf, op, algorithm, out)
     try:
@@ -212,13 +196,13 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
     c = as_communicator(comm)
     error, signature = None, None
     try:
-        x = _flat(buf, "buf")
+        x = flat_view(buf, "buf")
         opx = get_op(op)
         part = _part_module(algorithm, c)
         offset, count = chunk(x.size, c.rank, c.size)
         y = get_array_module(x).empty(count, dtype=x.dtype) if out is None else \
-            _check_out(out, buf, count, "buf")
-        if _read_only(y):
+            check_out(out, buf, count, "buf")
+        if read_only(y):
             raise ValueError("out is read-only; pass a writeable out=")
         in_place = count > 0 and _overlap(x, y)
         if in_place and not same_view(x[offset:offset + count], y):
@@ -255,17 +239,17 @@ def allgather(shard, *, comm=None, out=None, algorithm="auto"):
     c = as_communicator(comm)
     error, signature = None, None
     try:
-        s = _flat(shard, "shard")
+        s = flat_view(shard, "shard")
         part = _part_module(algorithm, c)
         if out is None:
             n = yo = None
         else:
-            yo = _flat(out, "out")
+            yo = flat_view(out, "out")
             if out.dtype != shard.dtype or type(out) is not type(shard):
                 raise TypeError(f"out ({type(out).__name__} {out.dtype}) must match the shard "
                                 f"({type(shard).__name__} {shard.dtype})")
             n = yo.size
-            if _read_only(yo):
+            if read_only(yo):
                 raise ValueError("out is read-only; pass a writeable out=")
             if s.size != chunk(n, c.rank, c.size)[1]:
                 raise ValueError(f"shard has {s.size} elements but chunk({n}, {c.rank}, "

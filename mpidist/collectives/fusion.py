@@ -25,9 +25,9 @@ from mpi4py import MPI
 
 from mpidist.collectives import flight, guard, select
 from mpidist.collectives.arrays import accept_arrays
-from mpidist.collectives.core import (_check_out, _flat, _read_only, prepare_allreduce,
-                                     run_allreduce)
-from mpidist.collectives.ops import accumulator_dtype, get_op
+from mpidist.collectives.core import (check_out, flat_view, prepare_allreduce, read_only,
+                                     reduced_bytes, run_allreduce)
+from mpidist.collectives.ops import get_op
 from mpidist.collectives.registry import get_algorithm
 from mpidist.comm import as_communicator, on_free
 from mpidist.kernels.backend import get_array_module, handoff, take_over
@@ -141,11 +141,6 @@ def _fused(comm, packed, opx, name, dests, bounds):
         d[...] = packed[lo:hi].reshape(d.shape)
 
 
-def _choose(c, x, opx) -> str:
-    return select.choose(c, x.size * accumulator_dtype(x.dtype).itemsize, x, opx) \
-        if x.size else "native"
-
-
 @accept_arrays("buf", "out", in_place=True)
 def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
                     bucket_bytes: int | None = None) -> Handle:
@@ -166,7 +161,7 @@ def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
 def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
     error, signature = None, None
     try:
-        flat = [_flat(a, f"buf[{i}]") for i, a in enumerate(arrays)]
+        flat = [flat_view(a, f"buf[{i}]") for i, a in enumerate(arrays)]
         opx = get_op(op)
         if algorithm != "auto":
             get_algorithm(algorithm)
@@ -177,23 +172,25 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
                 raise TypeError("out must be a list with one array per input array")
             dests = list(out)
             for a, o in zip(arrays, dests):
-                _check_out(o, a, a.size, "buf")
-        if any(_read_only(d) for d in dests):
+                check_out(o, a, a.size, "buf")
+        if any(read_only(d) for d in dests):
             raise ValueError("a result array is read-only; pass writeable arrays (or out=)")
         groups = buckets(flat, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
         shape = [(len(g), sum(flat[i].size for i in g), str(flat[g[0]].dtype)) for g in groups]
+        # auto: one lookup per bucket, by the bytes it reduces (select.choose)
+        names = [algorithm if algorithm != "auto" else
+                 select.choose(c, sum(reduced_bytes(flat[i]) for i in g)) for g in groups]
         signature = ("allreduce_async", ("buckets", tuple(shape)), ("op", opx.name),
-                     ("algorithm", algorithm))
+                     ("algorithm", algorithm if algorithm != "auto" else ("auto", *names)))
     except (TypeError, ValueError) as exc:
         error = exc
     entry = guard.check(c, signature, error)
     worker = _worker(c)
     futures = []
-    for g in groups:
+    for g, name in zip(groups, names):
         if len(g) == 1:                 # one tensor: reduce it where it is, no packing
             i = g[0]
             dest = flat[i] if out is None else dests[i].reshape(-1)
-            name = algorithm if algorithm != "auto" else _choose(c, flat[i], opx)
             futures.append(worker.submit(run_allreduce, flat[i], dest, opx, name,
                                          arrays=(flat[i], dest)))
             continue
@@ -201,7 +198,6 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
         ends = [0]
         for i in g:
             ends.append(ends[-1] + flat[i].size)
-        name = algorithm if algorithm != "auto" else _choose(c, packed, opx)
         futures.append(worker.submit(_fused, packed, opx, name, [dests[i] for i in g],
                                      list(zip(ends[:-1], ends[1:])), arrays=(packed,)))
     return Handle(futures, arrays if out is None else list(out), entry)

@@ -1,117 +1,220 @@
-"""algorithm="auto": the cheapest algorithm by the cost model, checked on-line by the first
-calls of each size (autotune), and `explain`, which prints the model's prediction beside a
-measurement for every algorithm.
+"""algorithm="auto": a lookup in a decision table, or a short built-in rule without one.
 
-    python -m mpidist.launcher -n 4 -- mpidist explain --sizes 4K,64K,1M,64M
-    mpiexec -n 4 mpidist explain --refit
+The table is a JSON file (written by `mpidist tune`, readable and editable by hand) that
+lists, per communicator layout (ranks, nodes, ranks per node), the algorithm for each
+range of message sizes, in bytes reduced (half precision counts at its float32 width):
+
+    {"format": "mpidist allreduce table 1",
+     "layouts": [{"ranks": 4, "nodes": 1, "ranks_per_node": 4,
+                  "sizes": [{"upto": "64K", "algorithm": "native"},
+                            {"upto": null, "algorithm": "shm"}]}]}
+
+A size goes to the first row whose `upto` (inclusive) holds it; past the last `upto`, the
+last row. Other keys (the tuner's measurements) are notes and are ignored. The table in
+use is use_table()'s ([parallel] algorithm_table in a job), else env
+MPIDIST_ALGORITHM_TABLE, else none. Without one, or for a layout it does not list, `rule`
+decides. `choose` is pure: no probe and no timing run inside a call, and processes with the
+same table run the same algorithm, hence produce the same bits. Under fault tolerance
+(ULFM) `shm` is never chosen (shm.usable says no; a table's `shm` gives way to the rule).
 """
 from __future__ import annotations
 
-import argparse
+import bisect
+import json
+import os
+import threading
+import weakref
 
-import numpy as np
+from mpidist.collectives import shm
+from mpidist.collectives.registry import ALGORITHMS
+from mpidist.sizes import format_size, parse_size
 
-from mpidist.collectives import autotune, costmodel
-from mpidist.comm import Communicator, as_communicator, mpi_library
+__all__ = ["choose", "rule", "use_table", "table_path", "load_table", "layout_of", "describe",
+           "Table", "FORMAT", "ENV_TABLE", "SMALL_BYTES"]
 
-__all__ = ["choose", "explain", "main", "parse_size", "parse_sizes"]
-
-
-def choose(comm, nbytes: int, x=None, op=None) -> str:
-    """The algorithm "auto" runs for nbytes on comm; the same on every rank. Collective the
-    first time a communicator asks (the model is loaded or probed) and at the first size
-    of each class (the trials time the model's shortlist on x, or on ones of nbytes, with
-    op: autotune); then a lookup in comm.auto_picks, a fraction of a microsecond."""
-    return comm.auto_picks.get(nbytes) or \
-        autotune.tuner(comm).choose(nbytes, lambda: _trial(comm, nbytes, x, op))
-
-
-def _trial(comm, nbytes: int, x, op):
-    """auto's trial function on x (or on ones of nbytes), cut to autotune.TRIAL_BYTES."""
-    from mpidist.collectives.core import trial_runner
-    from mpidist.collectives.ops import get_op
-    if x is None:
-        x = np.ones(max(1, min(nbytes, autotune.TRIAL_BYTES) // 4), np.float32)
-    x = x[:max(1, autotune.TRIAL_BYTES // max(4, x.itemsize))]
-    return trial_runner(comm, x, get_op("sum" if op is None else op))
+FORMAT = "mpidist allreduce table 1"
+ENV_TABLE = "MPIDIST_ALGORITHM_TABLE"
+# Below this many bytes a message is latency-bound: the MPI library's own collective, one C
+# call with no Python per step, pays the least fixed cost. From here on the algorithms that
+# move 2(p-1)/p of the bytes per rank win; it is also shm's block, one block per rank.
+SMALL_BYTES = 256 << 10
 
 
-def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dict]:
-    """Collective: for every size and algorithm, predicted and measured seconds, the
-    model's choice and auto's pick after its trials. Rows: {"nbytes", "algorithm",
-    "predicted", "measured", "chosen" (by the model), "picked" (by auto)}."""
-    c = as_communicator(comm)
-    model = costmodel.get_model(c, refit=refit)
-    rows = []
-    for nbytes in sizes:
-        pick, picked = model.choose(nbytes), choose(c, nbytes)
-        names = model.candidates() if c.size > 1 else ["native"]
-        measured = costmodel.measure_all(c, names, nbytes, reps)
-        rows.extend({"nbytes": int(nbytes), "algorithm": alg,
-                     "predicted": model.predict(alg, nbytes), "measured": measured[alg],
-                     "chosen": alg == pick, "picked": alg == picked} for alg in names)
-    return rows
+def rule(comm, nbytes: int) -> str:
+    """The built-in choice: native for small messages (and one rank), then shm within one
+    node where usable, hierarchical on uniform multi-node layouts, ring otherwise."""
+    if comm.size == 1 or nbytes <= SMALL_BYTES:
+        return "native"
+    if shm.usable(comm):
+        return "shm"
+    if comm.num_nodes > 1 and comm.uniform_nodes and comm.local_size > 1:
+        return "hierarchical"
+    return "ring"
 
 
-def parse_size(text: str) -> int:
-    """'64K' -> 65536, '1M', '2G', '512' (bytes)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+def layout_of(comm) -> dict:
+    """comm's layout as a table entry names it: ranks, nodes, ranks_per_node (an int on
+    uniform nodes, else the list of node sizes)."""
+    per_node = comm.local_size if comm.uniform_nodes else list(comm.node_sizes)
+    return {"ranks": comm.size, "nodes": comm.num_nodes, "ranks_per_node": per_node}
+
+
+def _key(layout: dict) -> tuple:
+    per_node = layout["ranks_per_node"]
+    return layout["ranks"], layout["nodes"], tuple(per_node) if isinstance(per_node, list) \
+        else per_node
+
+
+class Table:
+    """A checked decision table: layout -> (inclusive upper ends, algorithms)."""
+
+    def __init__(self, data, path: str = "<table>"):
+        """ValueError naming the file and the entry for anything malformed."""
+        self.path = path
+        self.steps: dict[tuple, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+
+        def bad(what: str) -> ValueError:
+            return ValueError(f"allreduce algorithm table {path}: {what}; fix the file or "
+                              f"write it again with `mpidist tune --out {path}`")
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise bad(f"not a table (expected a JSON object with \"format\": \"{FORMAT}\")")
+        layouts = data.get("layouts")
+        if not isinstance(layouts, list):
+            raise bad("\"layouts\" must be a list")
+        for i, entry in enumerate(layouts):
+            where = f"layouts[{i}]"
+            if not isinstance(entry, dict):
+                raise bad(f"{where} must be an object")
+            for k in ("ranks", "nodes"):
+                if not isinstance(entry.get(k), int) or entry[k] < 1:
+                    raise bad(f"{where}.{k} must be a positive integer, got {entry.get(k)!r}")
+            per_node = entry.get("ranks_per_node")
+            ok = (isinstance(per_node, int) and per_node >= 1) or (
+                isinstance(per_node, list) and per_node and
+                all(isinstance(n, int) and n >= 1 for n in per_node))
+            if not ok:
+                raise bad(f"{where}.ranks_per_node must be a positive integer or a list of "
+                          f"node sizes, got {per_node!r}")
+            rows = entry.get("sizes")
+            if not isinstance(rows, list) or not rows:
+                raise bad(f"{where}.sizes must be a non-empty list of "
+                          f"{{\"upto\": size, \"algorithm\": name}}")
+            ends, names = [], []
+            for j, row in enumerate(rows):
+                at = f"{where}.sizes[{j}]"
+                if not isinstance(row, dict):
+                    raise bad(f"{at} must be an object")
+                name = row.get("algorithm")
+                if name not in ALGORITHMS:
+                    raise bad(f"{at}.algorithm = {name!r} is not one of {', '.join(ALGORITHMS)}")
+                upto = row.get("upto")
+                if upto is None:
+                    if j != len(rows) - 1:
+                        raise bad(f"{at}.upto is null but only the last row may be open-ended")
+                    end = -1
+                else:
+                    try:
+                        end = parse_size(upto)
+                    except Exception:
+                        raise bad(f"{at}.upto = {upto!r} is not a size (512, \"64K\", \"1M\")") \
+                            from None
+                    if ends and end <= ends[-1]:
+                        raise bad(f"{at}.upto = {upto!r} does not grow from the row before")
+                ends.append(end)
+                names.append(name)
+            if ends[-1] == -1:
+                ends[-1] = 1 << 62
+            key = _key(entry)
+            if key in self.steps:
+                raise bad(f"{where} repeats the layout {key}")
+            self.steps[key] = (tuple(ends), tuple(names))
+
+
+def load_table(path: str) -> Table:
+    """Read and check the table at path (ValueError saying what is wrong)."""
     try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512, 64K, 1M)") from None
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"allreduce algorithm table {path}: cannot read it ({exc.strerror}); "
+                         f"check [parallel] algorithm_table / {ENV_TABLE}, or write one with "
+                         f"`mpidist tune --out {path}`") from None
+    except ValueError as exc:
+        raise ValueError(f"allreduce algorithm table {path}: not valid JSON ({exc}); fix the "
+                         f"file or write it again with `mpidist tune --out {path}`") from None
+    return Table(data, path)
 
 
-def parse_sizes(text: str) -> list[int]:
-    """'4K,1M,64M' -> bytes (an argparse type: a bad entry is a clean usage error)."""
-    return [parse_size(s) for s in text.split(",") if s.strip()]
+_state = {"path": None, "set": False}
+_tables: dict[str, Table] = {}                    # path -> its table, read once
+_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # comm -> (path, steps)
+_lock = threading.Lock()
 
 
-def format_size(n: int) -> str:
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
+def use_table(path: str | None) -> None:
+    """Make the table at path auto's in this process (None: back to env
+    MPIDIST_ALGORITHM_TABLE). Every rank must use the same table; it is read (afresh) at
+    the next auto call, and a bad file then raises on every rank."""
+    with _lock:
+        _state.update(path=path or None, set=path is not None)
+        _plans.clear()
+        _tables.clear()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`mpidist explain`: the cost model's choice per size, predicted vs measured."""
-    ap = argparse.ArgumentParser(prog="mpidist explain", description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="4K,64K,1M,16M",
-                    type=parse_sizes,
-                    help="message sizes in bytes, comma separated (default 4K,64K,1M,16M)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per point")
-    ap.add_argument("--refit", action="store_true", help="probe again, ignoring the cache")
-    ap.add_argument("--ranks-per-node", type=int, default=None,
-                    help="simulate nodes of this many ranks (default: real topology)")
-    args = ap.parse_args(argv)
-    c = Communicator(ranks_per_node=args.ranks_per_node)
-    rows = explain(args.sizes, c, reps=args.reps, refit=args.refit)
-    path = costmodel.cache_path(c)                       # collective
-    if c.rank == 0:
-        model = costmodel.get_model(c)
-        print(f"# {mpi_library()}; {c.describe()}")
-        print(f"# cost model: {path}")
-        for name, lv in model.levels.items():
-            fits = ", ".join(f"{a} a={v[0] * 1e6:.1f}us b={v[1] * 1e9:.3f}ns/B"
-                             for a, v in lv["fits"].items())
-            note = " (over all sizes; predictions use per-range pieces)" if lv.get("pieces") \
-                else ""
-            print(f"# level {name}: p={lv['p']} gamma={lv['gamma'] * 1e9:.3f}ns/B; {fits}{note}")
-            cond = lv.get("conditions")
-            if cond:
-                print(f"#   probed {cond['when']} in {cond['seconds']:.1f} s, load average "
-                      f"{cond['load_before']:.1f} -> {cond['load_after']:.1f} on "
-                      f"{cond['cores']} cores, sizes {format_size(cond['sizes'][0])}.."
-                      f"{format_size(cond['sizes'][-1])}")
-        print(f"{'size':>8} {'algorithm':>19} {'predicted ms':>13} {'measured ms':>12} "
-              f"{'error':>7}  choice (model: the prediction's; auto: after its trials)")
-        for r in rows:
-            err = (r["predicted"] - r["measured"]) / r["measured"] if r["measured"] else 0.0
-            marks = ", ".join(w for w, on in (("model", r["chosen"]), ("auto", r["picked"])) if on)
-            print(f"{format_size(r['nbytes']):>8} {r['algorithm']:>19} "
-                  f"{r['predicted'] * 1e3:13.3f} {r['measured'] * 1e3:12.3f} {err:+7.0%}  "
-                  f"{'<- ' + marks if marks else ''}")
-    c.free()
-    return 0
+def table_path() -> str | None:
+    """The path of the table auto uses: use_table()'s, else env MPIDIST_ALGORITHM_TABLE."""
+    if _state["set"]:
+        return _state["path"]
+    return os.environ.get(ENV_TABLE) or None
+
+
+def _table() -> Table | None:
+    path = table_path()
+    if path is None:
+        return None
+    table = _tables.get(path)
+    if table is None:
+        table = load_table(path)
+        with _lock:
+            _tables[path] = table
+    return table
+
+
+def choose(comm, nbytes: int) -> str:
+    """The algorithm auto runs for nbytes (bytes reduced) on comm: the table's entry for
+    comm's layout, else rule(); deterministic. ValueError for an unreadable table."""
+    path = table_path()
+    plan = _plans.get(comm)
+    if plan is None or plan[0] != path:        # read (and checked) even where one rank
+        table = _table()                       # has nothing to reduce
+        found = table.steps.get(_key(layout_of(comm))) if table is not None else None
+        plan = (path, found)
+        with _lock:
+            _plans[comm] = plan
+    if comm.size == 1 or nbytes <= 0:
+        return "native"
+    if plan[1] is None:
+        return rule(comm, nbytes)
+    ends, names = plan[1]
+    name = names[min(bisect.bisect_left(ends, nbytes), len(names) - 1)]   # past the end: last
+    if name == "shm" and not shm.usable(comm):
+        return rule(comm, nbytes)
+    return name
+
+
+def describe(comm) -> str:
+    """One line: where auto's choices on comm come from (a table, or the rule)."""
+    path = table_path()
+    layout = ", ".join(f"{k} {v}" for k, v in layout_of(comm).items())
+    rule_text = f"built-in rule (native up to {format_size(SMALL_BYTES)}, then shm on one " \
+                f"node, hierarchical on uniform nodes, else ring)"
+    if path is None:
+        return f"{rule_text}; no table (set {ENV_TABLE} or [parallel] algorithm_table)"
+    table = _table()
+    found = table.steps.get(_key(layout_of(comm)))
+    if found is None:
+        return f"{rule_text}: table {path} has no entry for this layout ({layout})"
+    ends, names = found
+    ranges = ", ".join(f"{n} to {format_size(e)}" if e < (1 << 62) else f"{n} beyond"
+                       for e, n in zip(ends, names))
+    return f"table {path} ({layout}): {ranges}"

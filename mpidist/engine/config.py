@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from mpidist.collectives.registry import algorithm_names
+from mpidist.collectives.select import load_table
 from mpidist.errors import ConfigError
 from mpidist.nn.models import MODELS
 from mpidist.optim.schedules import SCHEDULES as LR_SCHEDULES
@@ -107,8 +108,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
     "parallel": {
         "strategy": _f(str, "dp", "dp | zero | pipeline | ps | admm",
                        choices=("dp", "zero", "pipeline", "ps", "admm")),
-        "algorithm": _f(str, "auto", "allreduce algorithm (auto: the cost model's choice)",
-                        choices=tuple(algorithm_names())),
+        "algorithm": _f(str, "auto", "allreduce algorithm (auto: algorithm_table's choice, else "
+                        "a built-in rule)", choices=tuple(algorithm_names())),
+        "algorithm_table": _f(str, "", "auto's decision table, a file written by `mpidist tune` "
+                              "(default: env MPIDIST_ALGORITHM_TABLE, else the built-in rule)"),
         "bucket_mb": _f((int, float), 4.0, "gradient bucket size in MiB (0 = one bucket after backward)", **_nonneg),
         "compression": _f(str, "none", "gradient compressor in mpidist.compress's registry, or none "
                           "(dp, zero, pipeline; powersgd: not zero stages 2, 3)"),
@@ -233,6 +236,11 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
     if (model == "gpt" and ds not in ("text", "hdf5")) or (model != "gpt" and ds == "text"):
         errors.append(f"[model] name = {model!r} does not fit [data] dataset = {ds!r} "
                       "(the gpt model trains on dataset = 'text' or an LM 'hdf5' file; mlp/cnn on the others)")
+    if cfg["parallel"]["algorithm_table"]:
+        try:
+            load_table(cfg["parallel"]["algorithm_table"])
+        except ValueError as exc:
+            errors.append(f"[parallel] algorithm_table: {exc}")
     if ds == "hdf5" and not cfg["data"]["path"]:
         errors.append("[data] dataset = 'hdf5' needs path = '<file>.h5'")
     if ds in ("hdf5", "text") and cfg["data"]["path"] and not os.path.exists(cfg["data"]["path"]):

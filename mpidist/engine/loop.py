@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from mpidist.collectives import flight
+from mpidist.collectives import flight, select
 from mpidist.data import DistributedSampler, build_datasets, iterate
 from mpidist.engine.metrics import MetricsWriter
 from mpidist.errors import ConfigError
@@ -111,6 +111,8 @@ def evaluate(strategy, dataset, batch_size: int) -> dict:
 def run(config: dict, comm) -> dict:
     """Collective: train as configured; returns the summary (also written to summary.json)."""
     t_start = time.perf_counter()
+    if config["parallel"]["algorithm_table"]:                    # auto's decision table
+        select.use_table(config["parallel"]["algorithm_table"])
     comm.check_same(_data_file_size(config), "the dataset file's size in bytes", _SAME_DATA)
     train, test, meta = _agreed(comm, build_datasets, config, comm)
     try:

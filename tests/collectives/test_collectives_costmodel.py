@@ -1,4 +1,4 @@
-"""The alpha-beta-gamma cost model, its cache, and auto-selection."""
+"""The alpha-beta-gamma cost model (collectives.tuning), its cache, and `explain`."""
 import json
 import math
 import os
@@ -6,8 +6,10 @@ import os
 import numpy as np
 import pytest
 
-from mpidist.collectives import allreduce, costmodel, select
-from mpidist.collectives.costmodel import CostModel, coefficients
+from mpidist.collectives import allreduce, select
+from mpidist.collectives.tuning import costmodel, explain
+from mpidist.collectives.tuning.costmodel import CostModel, coefficients
+from mpidist.sizes import format_size, parse_size
 
 
 def test_coefficients_follow_the_algorithms():
@@ -171,7 +173,7 @@ def cached_model(comm, tmp_path, monkeypatch):
     return path, model
 
 
-def test_get_model_reads_the_cache_and_auto_uses_it(comm, cached_model):
+def test_get_model_reads_the_cache(comm, cached_model):
     path, model = cached_model
     got = costmodel.get_model(comm)
     assert got.to_json() == model.to_json()
@@ -183,13 +185,16 @@ def test_get_model_reads_the_cache_and_auto_uses_it(comm, cached_model):
 
 
 def test_explain_rows(comm, cached_model):
-    rows = select.explain([4096], comm, reps=1)
+    rows = explain.explain([4096], comm, reps=1)
     names = [r["algorithm"] for r in rows]
-    assert names == (_model().candidates() if comm.size > 1 else ["native"])
+    modelled = _model().candidates() if comm.size > 1 else ["native"]
+    ruled = select.rule(comm, 4096)
+    assert names == modelled + ([ruled] if ruled not in modelled else [])
     assert sum(r["chosen"] for r in rows) == 1 and all(r["measured"] > 0 for r in rows)
     assert sum(r["picked"] for r in rows) == 1
 
 
 def test_parse_size():
-    assert [select.parse_size(s) for s in ("512", "4K", "64KiB", "1M", "2G", "1.5K")] == \
-        [512, 4096, 65536, 1 << 20, 2 << 30, 1536]
+    assert [parse_size(s) for s in ("512", "4K", "64KiB", "1M", "2G", "1.5K", 7)] == \
+        [512, 4096, 65536, 1 << 20, 2 << 30, 1536, 7]
+    assert [format_size(n) for n in (512, 4096, 1 << 20, 1536)] == ["512", "4K", "1M", "1536"]

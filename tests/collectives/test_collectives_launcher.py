@@ -1,6 +1,6 @@
-"""End-to-end runs under their own mpiexec: the benchmark and explain CLIs, the
-hierarchical algorithm on 2 simulated nodes x 3 ranks (6 ranks), and a 1 GiB message
-through every algorithm."""
+"""End-to-end runs under their own mpiexec: the benchmark, tune and explain CLIs, auto's
+bits from one process to the next, the hierarchical algorithm on 2 simulated nodes x 3
+ranks (6 ranks), and a 1 GiB message through every algorithm."""
 import json
 import os
 import sys
@@ -55,12 +55,46 @@ if r == 0:
 """
 
 
+AUTO = """
+import hashlib
+import numpy as np
+from mpidist.comm import Communicator
+from mpidist.collectives import allreduce
+c = Communicator()
+digest = hashlib.sha256()
+for n in (3, 1000, 70001, 300007):          # below and above the rule's small-message size
+    x = np.random.default_rng([c.rank, n]).standard_normal(n).astype(np.float32)
+    allreduce(x, comm=c)                    # algorithm="auto"
+    digest.update(x.tobytes())
+hashes = c.comm.allgather(digest.hexdigest())
+assert len(set(hashes)) == 1, hashes
+if c.rank == 0:
+    print("AUTO-BITS", hashes[0])
+"""
+
+
 def _run(n, argv, tmp_path, extra_env=None):
     # a pytest started by mpiexec -n 1 must not hand its own job's identity to the child
     base = without_job_variables(os.environ)
     base["MPIDIST_CACHE_DIR"] = str(tmp_path / "cache")
+    base.pop("MPIDIST_ALGORITHM_TABLE", None)
     base.update(extra_env or {})
     return run(n, argv, timeout=240, env=base, capture_output=True, text=True, cwd=tmp_path)
+
+
+@pytest.mark.launcher
+def test_auto_gives_the_same_bits_in_two_fresh_processes(tmp_path):
+    """No table and no cache: auto's rule alone decides, so two runs at 3 ranks agree bit
+    for bit."""
+    bits = []
+    for k in range(2):
+        (tmp_path / str(k)).mkdir()
+        res = _run(3, [sys.executable, "-c", AUTO], tmp_path / str(k))
+        assert res.returncode == 0 and "AUTO-BITS" in res.stdout, \
+            f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+        bits.append(res.stdout.split("AUTO-BITS")[1].split()[0])
+        assert not (tmp_path / str(k) / "cache").exists()      # nothing probed, nothing cached
+    assert bits[0] == bits[1]
 
 
 @pytest.mark.launcher
@@ -89,14 +123,15 @@ def test_an_error_on_one_rank_ends_the_whole_job(tmp_path):
 
 
 @pytest.mark.launcher
-def test_bench_and_explain_cli(tmp_path):
+def test_bench_and_info_cli(tmp_path):
     out = tmp_path / "bench"
     res = _run(2, [sys.executable, "-m", "mpidist", "bench", "allreduce", "--sizes", "8,64K",
                    "--algorithms", "native,textbook,ring,auto", "--reps", "2",
                    "--seconds", "0.05", "--out", str(out)], tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "busbw GB/s" in res.stdout and "auto [" in res.stdout and "summary:" in res.stdout
-    assert "the model's choice alone, without the trials: worst" in res.stdout
+    assert "the model's choice instead of auto's: worst" in res.stdout
+    assert "auto: built-in rule" in res.stdout
     data = json.loads((out / "allreduce.json").read_text())
     assert len(data["rows"]) == 8 and all(r["ok"] for r in data["rows"])
     steady = data["steadiness"]                 # before the sweep and after each size
@@ -110,14 +145,41 @@ def test_bench_and_explain_cli(tmp_path):
     data = json.loads((out / "allreduce.json").read_text())
     assert "; bfloat16;" in data["header"] and all(r["ok"] for r in data["rows"])
     assert {r["bytes"] for r in data["rows"]} == {6 << 10}
-    res = _run(2, [sys.executable, "-m", "mpidist", "explain", "--sizes", "4K", "--reps", "1"],
-               tmp_path)
-    assert res.returncode == 0 and "predicted ms" in res.stdout, res.stdout + res.stderr
-    marked = [line for line in res.stdout.splitlines() if "<-" in line]
-    assert 1 <= len(marked) <= 2, res.stdout           # the model's choice and auto's pick
-    assert any("model" in m for m in marked) and any("auto" in m for m in marked)
-    assert os.listdir(tmp_path / "cache")
     res = _run(2, [sys.executable, "-m", "mpidist", "info"], tmp_path)
     assert res.returncode == 0 and "MPI library" in res.stdout, res.stdout + res.stderr
-    assert "allreduce auto  cost model cached at" in res.stdout, res.stdout
-    assert "remembered pick; on-line trials on" in res.stdout, res.stdout
+    assert "allreduce auto  built-in rule (native up to 256K" in res.stdout, res.stdout
+
+
+@pytest.mark.launcher
+def test_tune_then_explain_and_bench_follow_the_table(tmp_path):
+    table = tmp_path / "table.json"
+    res = _run(2, [sys.executable, "-m", "mpidist", "tune", "--sizes", "1K,64K", "--reps", "1",
+                   "--probe-sizes", "1K,4K", "--out", str(table)], tmp_path)
+    assert res.returncode == 0 and f"wrote {table}" in res.stdout, res.stdout + res.stderr
+    doc = json.loads(table.read_text())
+    (entry,) = doc["layouts"]
+    assert (entry["ranks"], entry["nodes"]) == (2, 1) and doc["made"]["by"] == "mpidist tune"
+    picks = [m["pick"] for m in entry["measured"]]
+    res = _run(2, [sys.executable, "-m", "mpidist", "explain", "--sizes", "1K,64K", "--reps", "1",
+                   "--table", str(table)], tmp_path)
+    assert res.returncode == 0 and "predicted ms" in res.stdout, res.stdout + res.stderr
+    assert f"# auto: table {table}" in res.stdout, res.stdout
+    autos = [line.split()[1] for line in res.stdout.splitlines()
+             if "<-" in line and "auto" in line.split("<-")[1]]
+    assert autos == picks, res.stdout                  # the table's pick, at each size
+    assert any("<- model" in line for line in res.stdout.splitlines()), res.stdout
+    out = tmp_path / "bench"
+    res = _run(2, [sys.executable, "-m", "mpidist", "bench", "allreduce", "--sizes", "1K,64K",
+                   "--algorithms", "native,ring,auto", "--reps", "2", "--seconds", "0.05",
+                   "--no-refit", "--table", str(table), "--out", str(out)], tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [r for r in json.loads((out / "allreduce.json").read_text())["rows"]
+            if r["algorithm"] == "auto"]
+    assert [r["pick"] for r in rows] == picks
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    res = _run(2, [sys.executable, "-c", "import numpy as np; from mpidist.collectives import "
+                   "allreduce; allreduce(np.ones(4, np.float32))"], tmp_path,
+               {"MPIDIST_ALGORITHM_TABLE": str(bad)})
+    assert res.returncode != 0 and res.stderr.count(f"allreduce algorithm table {bad}") >= 2, \
+        res.stderr                                     # raised on both ranks

@@ -1,0 +1,190 @@
+"""algorithm="auto" (collectives.select): the decision table and the built-in rule, and the
+table `mpidist tune` writes (collectives.tuning.tune) read back and obeyed."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mpidist.collectives import allreduce, flight, select
+from mpidist.collectives.core import prepare_allreduce
+from mpidist.collectives.tuning import tune
+from mpidist.collectives.tuning.costmodel import CostModel
+from mpidist.errors import RemoteError
+from mpidist.ft import ulfm
+
+
+@pytest.fixture(autouse=True)
+def no_table(monkeypatch):
+    """Each test starts with no table and leaves none behind."""
+    monkeypatch.delenv(select.ENV_TABLE, raising=False)
+    select.use_table(None)
+    yield
+    select.use_table(None)
+
+
+def _shared_dir(comm, tmp_path) -> str:
+    return comm.comm.bcast(str(tmp_path), root=0)
+
+
+def _write(comm, path: str, data) -> None:
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            f.write(data if isinstance(data, str) else json.dumps(data))
+    comm.comm.Barrier()
+
+
+def _table(layout: dict, rows: list) -> dict:
+    return {"format": select.FORMAT, "layouts": [{**layout, "sizes": rows}]}
+
+
+def _auto_name(comm, nbytes: int) -> str:
+    """The algorithm the public allreduce resolves "auto" to for float32 data of nbytes."""
+    x = np.ones(max(1, nbytes // 4), np.float32)
+    *_, name, entry = prepare_allreduce(comm, x, "sum", "auto", None)
+    flight.end(entry)
+    return name
+
+
+def test_the_rule_without_a_table(comm):
+    small, large = select.SMALL_BYTES, 4 * select.SMALL_BYTES
+    assert select.choose(comm, small) == select.rule(comm, small) == "native"
+    if comm.size == 1:
+        expect = "native"
+    elif comm.num_nodes == 1:
+        expect = "shm"
+    elif comm.uniform_nodes and comm.local_size > 1:
+        expect = "hierarchical"
+    else:
+        expect = "ring"
+    assert select.choose(comm, large) == expect == _auto_name(comm, large)
+    assert "built-in rule" in select.describe(comm)
+
+
+def test_fault_tolerance_never_chooses_shm(comm, tmp_path, monkeypatch):
+    """Under ULFM shm is unusable: the rule passes it by, and a table's shm gives way to it."""
+    monkeypatch.setattr(ulfm, "active", lambda: True)
+    path = os.path.join(_shared_dir(comm, tmp_path), "t.json")
+    _write(comm, path, _table(select.layout_of(comm), [{"upto": None, "algorithm": "shm"}]))
+    for table in (None, path):
+        select.use_table(table)
+        for n in (64, 1 << 20, 64 << 20):
+            assert select.choose(comm, n) != "shm"
+            assert select.choose(comm, n) == select.rule(comm, n)
+
+
+def test_a_table_is_obeyed_for_its_layout_only(comm, tmp_path):
+    path = os.path.join(_shared_dir(comm, tmp_path), "t.json")
+    mine = select.layout_of(comm)
+    other = {**mine, "ranks": comm.size + 1}
+    doc = _table(mine, [{"upto": "1K", "algorithm": "tree"}, {"upto": 1 << 20, "algorithm": "ring"},
+                        {"upto": None, "algorithm": "recursive_doubling"}])
+    doc["layouts"].append({**other, "sizes": [{"upto": None, "algorithm": "dbtree"}]})
+    _write(comm, path, doc)
+    select.use_table(path)
+    got = [_auto_name(comm, n) for n in (512, 1024, 2048, 1 << 20, 4 << 20)]
+    if comm.size > 1:
+        assert got == ["tree", "tree", "ring", "ring", "recursive_doubling"]
+        assert select.describe(comm).startswith(f"table {path}")
+    else:
+        assert got == ["native"] * 5                    # one rank: nothing to reduce
+    x = np.arange(1000, dtype=np.float32)
+    assert np.array_equal(allreduce(x, comm=comm), np.arange(1000) * comm.size)
+    # no entry for this layout: the rule
+    _write(comm, path, _table(other, [{"upto": None, "algorithm": "dbtree"}]))
+    select.use_table(path)
+    for n in (512, 4 << 20):
+        assert select.choose(comm, n) == select.rule(comm, n)
+    assert "no entry for this layout" in select.describe(comm) or comm.size == 1
+
+
+def test_the_env_variable_names_the_table(comm, tmp_path, monkeypatch):
+    path = os.path.join(_shared_dir(comm, tmp_path), "t.json")
+    _write(comm, path, _table(select.layout_of(comm), [{"upto": None, "algorithm": "tree"}]))
+    monkeypatch.setenv(select.ENV_TABLE, path)
+    assert select.table_path() == path
+    assert select.choose(comm, 1 << 20) == ("tree" if comm.size > 1 else "native")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"),
+    ('{"layouts": []}', "not a table"),
+    ({"format": select.FORMAT, "layouts": [{"ranks": 2, "nodes": 1, "ranks_per_node": 2,
+                                             "sizes": [{"upto": None, "algorithm": "bogus"}]}]},
+     "'bogus' is not one of"),
+    ({"format": select.FORMAT, "layouts": [{"ranks": 2, "nodes": 1, "ranks_per_node": 2,
+                                             "sizes": [{"upto": "1M", "algorithm": "ring"},
+                                                       {"upto": "4K", "algorithm": "tree"}]}]},
+     "does not grow"),
+    ({"format": select.FORMAT, "layouts": [{"ranks": 2, "nodes": 1, "ranks_per_node": 2,
+                                             "sizes": [{"upto": None, "algorithm": "ring"},
+                                                       {"upto": "4K", "algorithm": "tree"}]}]},
+     "only the last row"),
+    ({"format": select.FORMAT, "layouts": [{"ranks": 0, "nodes": 1, "ranks_per_node": 2,
+                                             "sizes": [{"upto": None, "algorithm": "ring"}]}]},
+     "ranks must be a positive integer"),
+])
+def test_a_bad_table_raises_on_every_rank(comm, tmp_path, text, words):
+    path = os.path.join(_shared_dir(comm, tmp_path), "bad.json")
+    _write(comm, path, text)
+    with pytest.raises(ValueError, match=words):
+        select.load_table(path)
+    select.use_table(path)
+    x = np.ones(100, np.float32)
+    with pytest.raises(ValueError, match="allreduce algorithm table .*mpidist tune"):
+        allreduce(x, comm=comm)
+    assert np.all(x == 1)                               # nothing moved
+    x = np.ones(100, np.float32)
+    assert np.all(allreduce(x, comm=comm, algorithm="ring") == comm.size)  # still in step
+
+
+def test_a_table_missing_on_one_rank_fails_every_rank(comm, tmp_path):
+    root = _shared_dir(comm, tmp_path)
+    good = os.path.join(root, "t.json")
+    _write(comm, good, _table(select.layout_of(comm), [{"upto": None, "algorithm": "ring"}]))
+    select.use_table(os.path.join(root, "missing.json") if comm.rank == 0 else good)
+    expected = ValueError if comm.rank == 0 else RemoteError
+    with pytest.raises(expected, match="cannot read it"):
+        allreduce(np.ones(10, np.float32), comm=comm)
+
+
+def _model(p: int) -> CostModel:
+    fits = {"ring": [50e-6, 0.4e-9], "tree": [30e-6, 0.5e-9], "native": [40e-6, 2.0e-9],
+            "recursive_doubling": [2e-6, 0.6e-9]}
+    return CostModel({"world": {"p": p, "gamma": 0.1e-9, "fits": fits, "samples": {}}}, 1, 1)
+
+
+def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
+    path = os.path.join(_shared_dir(comm, tmp_path), "tuned.json")
+    sizes = [1 << 10, 64 << 10, 1 << 20]
+    entry = tune.tune(comm, _model(comm.size), sizes, reps=1)
+    picks = [m["pick"] for m in entry["measured"]]
+    assert comm.comm.allgather(picks) == [picks] * comm.size      # the same on every rank
+    for m in entry["measured"]:
+        assert m["pick"] in m["us"] and m["rule"] in m["us"]     # the rule's pick is timed
+    other = {"ranks": comm.size + 1, "nodes": 1, "ranks_per_node": comm.size + 1,
+             "sizes": [{"upto": None, "algorithm": "tree"}]}
+    if comm.rank == 0:
+        with open(path, "w") as f:
+            json.dump({"format": select.FORMAT, "layouts": [other]}, f)
+        tune.write_table(path, entry, {"by": "test"})
+    comm.comm.Barrier()
+    with open(path) as f:
+        doc = json.load(f)
+    assert doc["layouts"][0] == other and len(doc["layouts"]) == 2   # other layouts kept
+    select.use_table(path)
+    assert [select.choose(comm, n) for n in sizes] == picks
+
+
+def test_shortlist_adds_the_rules_pick(comm):
+    names = tune.shortlist(_model(max(2, comm.size)), comm, 64 << 20)
+    assert names[0] == "ring" and select.rule(comm, 64 << 20) in names
+
+
+def test_a_job_config_checks_its_table(tmp_path):
+    from mpidist.engine.config import validate
+    from mpidist.errors import ConfigError
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match=r"\[parallel\] algorithm_table: allreduce algorithm "
+                                          r"table .*missing.json: cannot read it"):
+        validate({"parallel": {"algorithm_table": missing}})
