@@ -319,11 +319,12 @@ def _rows_c(res: dict, workers: int, nbytes: int) -> list[dict]:
     return out
 
 
-def hidden_fraction(rows_c: list[dict]) -> float:
-    """Share of the communication time hidden behind compute by the overlapped step."""
-    t = {r["variant"].split(", ")[1]: r for r in rows_c}
-    comm, compute = t["comm only"]["step_s"], t["compute only"]["step_s"]
-    return (compute + comm - t["overlapped"]["step_s"]) / min(compute, comm)
+def hidden_fractions(res_c: dict) -> list[float]:
+    """Per interleaved sample: the share of the shorter of compute and communication that
+    the overlapped step hid, (compute + comm - overlapped) / min(compute, comm)."""
+    t = {k: np.array(v) for k, v in res_c["times"].items()}
+    return list((t["compute only"] + t["comm only"] - t["overlapped"])
+                / np.minimum(t["compute only"], t["comm only"]))
 
 
 def _plot(rows_a, rows_b, path: str, title: str) -> None:
@@ -413,7 +414,9 @@ def _section(rows_a, rows_b, rows_c, args, out, bw: str, cfg: dict) -> str:
                    f"{f2(r['seed_model_MB'])} | {f3(r['seed_model_s'])} | {f3(r['fit_model_s'])} |")
     nb = rows_b[0]
     c = {r["variant"].split(", ")[1]: r for r in rows_c}
-    hidden = hidden_fraction(rows_c)
+    fractions = cfg["hidden"]
+    hidden = float(np.median(fractions))
+    hid_some = sum(f >= 0.2 for f in fractions)
     for r in rows_c:
         tab.append(f"| C | {r['variant']} | {r['workers']} | {r['step_s']:.3f} "
                    f"({r['step_s_min']:.3f}-{r['step_s_max']:.3f}) | | | | |")
@@ -471,9 +474,13 @@ Machine: {common.machine()}; a shared 2-core VM, so CPU-bound parts are noisy.
 - Overlap (phase C, {W} workers, compute = a wait as long as one ring allreduce,
   {c['overlapped']['layers']} layers): compute then ring {c['sequential']['step_s']:.3f} s,
   each layer's gradient sent by `allreduce_async` as backward goes {c['overlapped']['step_s']:.3f} s,
-  communication alone {c['comm only']['step_s']:.3f} s, compute alone {c['compute only']['step_s']:.3f} s:
-  {hidden * 100:.0f}% of the shorter of the two is
-  hidden behind compute. {'The ring does overlap, as claimed' if hidden >= 0.3 else 'Little is hidden: the claim does NOT reproduce here'}; mpidist's parameter-server
+  communication alone {c['comm only']['step_s']:.3f} s, compute alone {c['compute only']['step_s']:.3f} s
+  (medians). Per interleaved sample, the overlapped step hid {hidden * 100:.0f}% (median;
+  {min(fractions) * 100:.0f}% to {max(fractions) * 100:.0f}%) of the shorter of the two, at least 20% in
+  {hid_some} of {len(fractions)} samples: {'the ring does overlap, as claimed' if hidden >= 0.3 and hid_some > len(fractions) / 2 else 'the overlap does NOT reproduce reliably here'}. On 2 shared cores the
+  per-layer allreduces run on a Python worker thread that must win a core from the other
+  jobs, and 8 allreduces of an eighth pay 8x the ring's per-message steps, so what is hidden
+  swings with the load from run to run; mpidist's parameter-server
   worker runs pull, compute, push in turn, so it hides nothing by construction (its step is
   compute plus phase A's time), which is the seed's point about PS.
 - Noise: {noise_text}.
@@ -508,6 +515,7 @@ def main(argv=None) -> int:
                                    what="phase B", thread_level="serialized")
     cfg["took"] = time.perf_counter() - t0
     cfg["fit"] = _fit_of(res_a["model"])
+    cfg["hidden"] = hidden_fractions(res_c)
     rows_a, rows_b = _rows(res_a, "A", rate), _rows(res_b, "B", rate)
     rows_c = _rows_c(res_c, cfg["W"], res_a["n"] * 4)
     out.write_csv(rows_a + rows_b + rows_c)

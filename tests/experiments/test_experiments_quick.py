@@ -16,6 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # name: (needs the simulated cluster, a column every row must fill)
 EXPERIMENTS = {
     "architectures": (True, "step_s"),
+    "centralized": (True, "overhead_s_per_step"),
+    "consistency": (False, "final_accuracy"),
+    "large_batch": (False, "test_accuracy"),
+    "compression": (False, "bytes_per_step"),
 }
 
 
