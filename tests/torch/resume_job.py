@@ -33,7 +33,7 @@ def main(mode, path, zero, out):
                                                  y[comm.rank * per:(comm.rank + 1) * per])
         loss.backward()
         opt.step()
-        losses[step] = comm.comm.allreduce(float(loss)) / comm.size
+        losses[step] = comm.comm.allreduce(loss.item()) / comm.size
         if mode == "first" and step + 1 == SAVE_AT:
             save_checkpoint(path, opt, SAVE_AT, model=model)
     opt.close()
