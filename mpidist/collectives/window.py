@@ -5,12 +5,12 @@ When the array is allocated in the window to begin with (a gradient buffer that 
 writes into directly), that copy goes too. For a range [lo, hi) of the buffer:
 1. ready: barrier (every rank's range holds its final values);
 2. reduce: my chunk, chunk(hi - lo, rank, size) of the range, summed over every rank's
-   slice in rank order, block by block, written over my own slice's chunk (no other rank
-   reads that part of my slice);
+   slice (mine first, then the next ranks' in a ring), block by block, in place in my own
+   slice (no other rank reads that part of my slice);
 3. gather: barrier; copy every other rank's reduced chunk out of its slice.
 Memory traffic per rank: about n (p+1)/p + 2 n (p-1)/p bytes for n bytes, a third of the
-ring's, and two barriers. One rank reduces each chunk, in rank order, so every rank ends
-with the same bits. A third barrier (fence) must separate the last gather from the next
+ring's, and two barriers. One rank reduces each chunk, in a fixed order, so every rank
+ends with the same bits. A third barrier (fence) must separate the last gather from the next
 writes into the buffer. Float32 and float64 only (half precision needs wider sums: use the
 collectives, which widen).
 
@@ -38,6 +38,7 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _BLOCK_BYTES = 256 << 10
 _HEADER = 64          # bytes before each rank's data: its barrier counter, alone in a line
 _SPINS = 64           # polls before the waiting thread starts sleeping between polls
+_NAP_MAX = 200e-6     # the longest sleep between polls (seconds)
 
 
 class SharedBuffer:
@@ -75,7 +76,6 @@ class SharedBuffer:
         self.data[...] = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-window")
         self._block = max(1, _BLOCK_BYTES // dtype.itemsize)
-        self._tmp = np.empty(self._block, dtype)
 
     def _barrier(self) -> None:
         """Make my stores visible, wait for everyone, then see theirs: each rank raises
@@ -83,24 +83,25 @@ class SharedBuffer:
         self._seq += 1
         self.win.Sync()
         self._counters[self.rank][0] = self._seq
-        for j, counter in enumerate(self._counters):
-            polls = 0
+        for counter in self._counters:
+            polls, nap = 0, 20e-6
             while counter[0] < self._seq:
                 polls += 1
-                if polls > _SPINS:
-                    time.sleep(20e-6)
+                if polls > _SPINS:             # back off: a waiting rank costs its core little
+                    time.sleep(nap)
+                    nap = min(2 * nap, _NAP_MAX)
         self.win.Sync()
 
     def _sum_into_mine(self, a: int, b: int) -> None:
-        """data[a:b] = the sum of every slice's [a, b), in rank order, block by block."""
-        s = self.slices
+        """data[a:b] += every other slice's [a, b), from the next rank on, block by block
+        (element-wise in place: my own values are read before they are overwritten)."""
+        s, r = self.slices, self.rank
+        others = [s[(r + k) % self.size] for k in range(1, self.size)]
         for x in range(a, b, self._block):
             y = min(x + self._block, b)
-            acc = self._tmp[:y - x]
-            np.add(s[0][x:y], s[1][x:y], out=acc)
-            for k in range(2, self.size):
-                np.add(acc, s[k][x:y], out=acc)
-            self.data[x:y] = acc
+            mine = self.data[x:y]
+            for other in others:
+                np.add(mine, other[x:y], out=mine)
 
     def _allreduce(self, lo: int, hi: int) -> None:
         counts, displs = counts_displs(hi - lo, self.size)
