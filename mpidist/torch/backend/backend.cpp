@@ -81,6 +81,9 @@ class __attribute__((visibility("hidden"))) MpidistBackend : public c10d::Backen
 
   // destroy_process_group: finish queued work, free the group's communicators
   void shutdown() override {
+    if (!Py_IsInitialized()) {
+      return;  // at exit, after the interpreter: MPI_Finalize frees what is left
+    }
     py::gil_scoped_acquire gil;
     try {
       group_.attr("shutdown")();

@@ -1,0 +1,38 @@
+"""After register(), torch's own init_process_group("mpidist") works under mpiexec with no
+MASTER_ADDR/PORT, RANK or WORLD_SIZE set: they come from MPI."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from mpidist.torch.backend import build, register
+
+KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def clean_env():
+    saved = {k: os.environ.pop(k) for k in KEYS if k in os.environ}
+    yield
+    for k in KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(saved)
+
+
+def test_torch_init_process_group_after_register(clean_env):
+    why = build.unavailable()
+    if why:
+        pytest.skip(f"the backend's C++ extension can not be built here: {why}")
+    register()
+    assert os.environ["RANK"] == str(MPI.COMM_WORLD.Get_rank())
+    dist.init_process_group("mpidist")
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (MPI.COMM_WORLD.Get_rank(),
+                                                            MPI.COMM_WORLD.Get_size())
+        t = torch.ones(10)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((10,), float(dist.get_world_size())))
+    finally:
+        dist.destroy_process_group()
