@@ -209,6 +209,12 @@ class OnebitLAMB(_Onebit, LAMB):
                                  f"({self.plan.nseg}), got shape {value.shape}")
             setattr(self, key, value.copy())
 
+    def partial_sums(self, params, grads, *, loss_scale: float = 1.0) -> np.ndarray:
+        if self.frozen:
+            raise RuntimeError("after the warm-up 1-bit LAMB sums over the averaged momentum "
+                               "inside step(); call step(params, momentum, reduce_norms)")
+        return super().partial_sums(params, grads, loss_scale=loss_scale)
+
     def frozen_coefficients(self) -> np.ndarray:
         """Each tensor's warm-up trust ratio average (bias-corrected: the average starts
         at 0); 1 for excluded tensors."""

@@ -111,6 +111,16 @@ def test_state_round_trip_continues_exactly(comm):
     np.testing.assert_array_equal(p1, p)
 
 
+def test_compression_stage_misuse_fails_with_a_message(comm):
+    opt, ex, p, _ = run(comm, "onebit_lamb", {}, "sign", {}, steps=FREEZE)
+    g = np.zeros(LAYOUT.numel, np.float32)
+    with pytest.raises(RuntimeError, match="averaged momentum"):
+        opt.partial_sums(p, g)
+    warm = build_optimizer("onebit_adam", LAYOUT, freeze_step=5)
+    with pytest.raises(RuntimeError, match="compression stage"):
+        warm.local_momentum(g, g.copy(), np.ones_like(g))
+
+
 @pytest.mark.parametrize("hyper,message", [
     ({"freeze_step": 0}, "freeze_step"), ({"compressor": 3}, "compressor"),
     ({"compressor_options": {"error_feedback": False}}, "error feedback"),
