@@ -16,21 +16,24 @@ EXPONENT_MASK = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
 _OPTS = dict(fastmath=False, error_model="numpy", cache=True, nogil=True)
 
 
+# the running max is written as a select (not max()), which LLVM vectorises
 @njit(**_OPTS)
 def _copy_max(dst, src, mask):
-    e = mask & 0
+    e = mask ^ mask
     for i in range(src.shape[0]):
         v = src[i]
         dst[i] = v
-        e = max(e, v & mask)
+        t = v & mask
+        e = e if e > t else t
     return e
 
 
 @njit(**_OPTS)
 def _max(src, mask):
-    e = mask & 0
+    e = mask ^ mask
     for i in range(src.shape[0]):
-        e = max(e, src[i] & mask)
+        t = src[i] & mask
+        e = e if e > t else t
     return e
 
 
