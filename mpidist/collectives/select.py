@@ -12,10 +12,11 @@ range of message sizes, in bytes reduced (half precision counts at its float32 w
 A size goes to the first row whose `upto` (inclusive) holds it; past the last `upto`, the
 last row. Other keys (the tuner's measurements) are notes and are ignored. The table in
 use is use_table()'s ([parallel] algorithm_table in a job), else env
-MPIDIST_ALGORITHM_TABLE, else none. Without one, or for a layout it does not list, `rule`
-decides. `choose` is pure: no probe and no timing run inside a call, and processes with the
-same table run the same algorithm, hence produce the same bits. Under fault tolerance
-(ULFM) `shm` is never chosen (shm.usable says no; a table's `shm` gives way to the rule).
+MPIDIST_ALGORITHM_TABLE (read at the first auto call), else none. Without one, or for a
+layout it does not list, `rule` decides. `choose` is pure: no probe and no timing run
+inside a call, and processes with the same table run the same algorithm, hence produce
+the same bits. Under fault tolerance (ULFM) `shm` is never chosen (shm.usable says no; a
+table's `shm` gives way to the rule).
 """
 from __future__ import annotations
 
@@ -145,7 +146,8 @@ def load_table(path: str) -> Table:
     return Table(data, path)
 
 
-_state = {"path": None, "set": False}
+_UNREAD = object()
+_state = {"path": None, "set": False, "env": _UNREAD}    # env: MPIDIST_ALGORITHM_TABLE, once
 _tables: dict[str, Table] = {}                    # path -> its table, read once
 _plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # comm -> (path, steps)
 _lock = threading.Lock()
@@ -153,19 +155,23 @@ _lock = threading.Lock()
 
 def use_table(path: str | None) -> None:
     """Make the table at path auto's in this process (None: back to env
-    MPIDIST_ALGORITHM_TABLE). Every rank must use the same table; it is read (afresh) at
-    the next auto call, and a bad file then raises on every rank."""
+    MPIDIST_ALGORITHM_TABLE, read again). Every rank must use the same table; it is read
+    (afresh) at the next auto call, and a bad file then raises on every rank."""
     with _lock:
-        _state.update(path=path or None, set=path is not None)
+        _state.update(path=path or None, set=path is not None, env=_UNREAD)
         _plans.clear()
         _tables.clear()
 
 
 def table_path() -> str | None:
-    """The path of the table auto uses: use_table()'s, else env MPIDIST_ALGORITHM_TABLE."""
+    """The path of the table auto uses: use_table()'s, else env MPIDIST_ALGORITHM_TABLE (as
+    it was at the first auto call, or at the last use_table)."""
     if _state["set"]:
         return _state["path"]
-    return os.environ.get(ENV_TABLE) or None
+    env = _state["env"]
+    if env is _UNREAD:                    # os.environ.get costs microseconds: once
+        env = _state["env"] = os.environ.get(ENV_TABLE) or None
+    return env
 
 
 def _table() -> Table | None:
