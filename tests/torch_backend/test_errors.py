@@ -62,7 +62,8 @@ def test_import_compiles_nothing_and_a_missing_compiler_is_explained(tmp_path):
         "    b.init_process_group()\n"
         "except RuntimeError as e:\n"
         "    print('ERROR', e)\n")
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
+    from mpidist.launcher import mpi_env
+    env = dict(mpi_env(1), CXX=str(tmp_path / "no-such-compiler"),    # a singleton MPI process
                MPIDIST_TORCH_EXT_DIR=str(tmp_path / "ext"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=120)
