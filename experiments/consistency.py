@@ -6,9 +6,10 @@ stability of convergence; stragglers and staleness are what the trade is about. 
 are the shipped ones (jobs/digits_ps_{bsp,asp,ssp}.toml: the parameter server with one
 server and three workers; jobs/digits_admm.toml: consensus ADMM on three ranks), run with
 `mpidist train` on local ranks with the same model, data, global batch (48), learning rate
-and epochs. The straggler is the last worker sleeping a fixed delay per step
-(`straggler_mode = "fixed"`); the engine injects it only into the parameter server, so
-ADMM runs without it. Wall time = rank 0's summed step times (evaluation left out).
+and epochs. Stragglers: a fixed delay per step on the last worker (`straggler_mode =
+"fixed"`, persistent) or on one worker drawn per step (`"random"`, transient); the engine
+injects them only into the parameter server, so ADMM runs without. Wall time = rank 0's
+summed step times (evaluation left out).
 """
 from __future__ import annotations
 
@@ -42,20 +43,24 @@ def _curve(records) -> tuple[list, list]:
     return times, accs
 
 
-def _overrides(label, straggler, cfg, tmp) -> dict:
+KINDS = ("none", "fixed", "random")
+
+
+def _overrides(label, kind, cfg, tmp) -> dict:
     job, _, over = METHODS[label]
     over = {**over, "job.epochs": cfg["epochs"], "job.eval_every": cfg["eval_every"],
             "job.target_accuracy": 0.0, "data.cache_dir": os.path.join(tmp, "data")}
     if "ps" in job:
-        over.update({"parallel.straggler": cfg["delay"] if straggler else 0.0,
-                     "parallel.straggler_mode": "fixed"})
+        over.update({"parallel.straggler": cfg["delay"] if kind != "none" else 0.0,
+                     "parallel.straggler_mode": "fixed" if kind == "none" else kind})
     return over
 
 
-def _row(label, straggler, cfg, summary, records) -> dict:
+def _row(label, kind, cfg, summary, records) -> dict:
     times, accs = _curve(records)
     hit = next((t for t, a in zip(times, accs) if a >= TARGET), None)
-    return {"method": label, "straggler_s": cfg["delay"] if straggler else 0.0,
+    return {"method": label, "straggler": kind,
+            "straggler_s": cfg["delay"] if kind != "none" else 0.0,
             "final_accuracy": summary["test_accuracy"], "final_loss": summary["test_loss"],
             "wall_s": times[-1] if times else summary["train_seconds"],
             "time_to_target_s": hit, "steps": summary["steps"],
@@ -66,18 +71,20 @@ def _plot(rows, path, title):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
-    for ax, strag in zip(axes, (False, True)):
+    kinds = [k for k in KINDS if any(r["straggler"] == k for r in rows)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.4), sharey=True)
+    for ax, kind in zip(axes, kinds):
         for i, label in enumerate(METHODS):
-            rs = [r for r in rows if r["method"] == label and (r["straggler_s"] > 0) == strag]
+            rs = [r for r in rows if r["method"] == label and r["straggler"] == kind]
             for j, r in enumerate(rs):
                 ax.plot(r["curve_t"], r["curve_acc"], "-", color=f"C{i}", alpha=0.9 if j == 0 else 0.4,
                         label=label if j == 0 else None)
         ax.axhline(TARGET, color="k", lw=0.7, ls=":")
         delay = max((r["straggler_s"] for r in rows), default=0)
         ax.set(xlabel="wall time, rank 0 (s)", ylim=(0, 1),
-               title=f"straggler: last worker +{delay * 1e3:.0f} ms per step" if strag
-               else "no straggler")
+               title={"none": "no straggler",
+                      "fixed": f"persistent straggler: last worker +{delay * 1e3:.0f} ms/step",
+                      "random": f"transient: a random worker +{delay * 1e3:.0f} ms/step"}[kind])
         ax.legend(fontsize=8, loc="lower right")
     axes[0].set_ylabel("test accuracy")
     fig.suptitle(title, fontsize=10)
@@ -86,14 +93,14 @@ def _plot(rows, path, title):
     plt.close(fig)
 
 
-def _med(rows, label, strag, key):
-    vals = [r[key] for r in rows if r["method"] == label and (r["straggler_s"] > 0) == strag
+def _med(rows, label, kind, key):
+    vals = [r[key] for r in rows if r["method"] == label and r["straggler"] == kind
             and r[key] is not None]
     return float(np.median(vals)) if vals else None
 
 
-def _range(rows, label, strag, key) -> str:
-    vals = [r[key] for r in rows if r["method"] == label and (r["straggler_s"] > 0) == strag]
+def _range(rows, label, kind, key) -> str:
+    vals = [r[key] for r in rows if r["method"] == label and r["straggler"] == kind]
     return f"{min(vals):.1f}-{max(vals):.1f}"
 
 
@@ -102,36 +109,65 @@ def _section(rows, args, out, cfg, took) -> str:
     delay = f"{cfg['delay'] * 1e3:.0f} ms"
     tab = ["| method | straggler | final accuracy | wall s (range) | time to "
            f"{TARGET:.0%} s |", "|---|---|---|---|---|"]
+    kinds = [k for k in KINDS if any(r["straggler"] == k for r in rows)]
     for label in METHODS:
-        for strag in (False, True):
-            if not any(r["method"] == label and (r["straggler_s"] > 0) == strag for r in rows):
-                tab.append(f"| {label} | {delay} | not run (the engine "
-                           f"injects stragglers into the parameter server only) | | |")
+        for kind in kinds:
+            what = "none" if kind == "none" else f"{delay}, {kind}"
+            if not any(r["method"] == label and r["straggler"] == kind for r in rows):
+                tab.append(f"| {label} | {what} | not run (the engine injects stragglers into "
+                           f"the parameter server only) | | |")
                 continue
             acc = [r["final_accuracy"] for r in rows if r["method"] == label and
-                   (r["straggler_s"] > 0) == strag]
-            tab.append(f"| {label} | {delay if strag else 'none'} | "
+                   r["straggler"] == kind]
+            tab.append(f"| {label} | {what} | "
                        f"{np.median(acc):.3f} ({min(acc):.3f}-{max(acc):.3f}) | "
-                       f"{f(_med(rows, label, strag, 'wall_s'), '.1f')} ({_range(rows, label, strag, 'wall_s')}) | "
-                       f"{f(_med(rows, label, strag, 'time_to_target_s'), '.1f')} |")
+                       f"{f(_med(rows, label, kind, 'wall_s'), '.1f')} ({_range(rows, label, kind, 'wall_s')}) | "
+                       f"{f(_med(rows, label, kind, 'time_to_target_s'), '.1f')} |")
     bsp, asp, ssp = ("sync SGD (PS, BSP)", "async SGD (PS, ASP)", "bounded staleness (PS, SSP 2)")
-    slow = {m: _med(rows, m, True, "wall_s") / _med(rows, m, False, "wall_s") for m in (bsp, asp, ssp)}
-    acc = {m: (_med(rows, m, False, "final_accuracy"), _med(rows, m, True, "final_accuracy"))
+    slow = {m: _med(rows, m, "fixed", "wall_s") / _med(rows, m, "none", "wall_s")
+            for m in (bsp, asp, ssp)}
+    acc = {m: (_med(rows, m, "none", "final_accuracy"), _med(rows, m, "fixed", "final_accuracy"))
            for m in (bsp, asp, ssp)}
-    admm = (_med(rows, "ADMM (3 ranks)", False, "final_accuracy"),
-            _med(rows, "ADMM (3 ranks)", False, "wall_s"))
+    admm = (_med(rows, "ADMM (3 ranks)", "none", "final_accuracy"),
+            _med(rows, "ADMM (3 ranks)", "none", "wall_s"))
+    transient = ""
+    if "random" in kinds:
+        rs = {m: _med(rows, m, "random", "wall_s") / _med(rows, m, "none", "wall_s")
+              for m in (bsp, asp, ssp)}
+        wall = {m: _med(rows, m, "random", "wall_s") for m in (bsp, asp, ssp)}
+        rel, absolute = rs[ssp] < rs[bsp] * 0.85, wall[ssp] < wall[bsp] * 0.85
+        agree = 0
+        for rnd in sorted({r["round"] for r in rows}):
+            w = {(r["method"], r["straggler"]): r["wall_s"] for r in rows if r["round"] == rnd}
+            agree += (w[(ssp, "random")] / w[(ssp, "none")]
+                      < 0.85 * w[(bsp, "random")] / w[(bsp, "none")])
+        rounds = len({r["round"] for r in rows})
+        transient = (f"\n- Transient straggler (a random worker each step): wall time BSP "
+                     f"{wall[bsp]:.1f} s, SSP {wall[ssp]:.1f} s, ASP {wall[asp]:.1f} s; against "
+                     f"each one's own run without a straggler BSP {rs[bsp]:.2f}x, SSP "
+                     f"{rs[ssp]:.2f}x, ASP {rs[asp]:.2f}x (SSP stretched clearly less than BSP "
+                     f"in {agree} of {rounds} round(s) on their own). "
+                     + ("SSP absorbs it, as its bound is meant to: no worker falls 2 steps "
+                        "behind for long, so the others rarely wait, while BSP waits every step."
+                        if rel and absolute and 2 * agree > rounds else
+                        "SSP finishes sooner than BSP, but relative to its own run without a "
+                        "straggler it beat BSP clearly only in the rounds counted above: on "
+                        "this loaded VM CPU contention sets most of a step, so the run does not "
+                        "establish SSP's slack beyond that noise."
+                        if absolute else
+                        "SSP does NOT absorb it here (no better than BSP beyond the noise)."))
     steps = max(r["steps"] for r in rows)
     claim_speed = slow[asp] < slow[bsp]
     claim_stab = acc[asp][1] <= acc[bsp][1] + 0.01
     # the same comparison in every round on its own (rounds are where the load moved)
     per_round = []
     for rnd in sorted({r["round"] for r in rows}):
-        w = {(r["method"], r["straggler_s"] > 0): r["wall_s"] for r in rows if r["round"] == rnd}
-        per_round.append(w[(asp, True)] / w[(asp, False)] < w[(bsp, True)] / w[(bsp, False)])
+        w = {(r["method"], r["straggler"]): r["wall_s"] for r in rows if r["round"] == rnd}
+        per_round.append(w[(asp, "fixed")] / w[(asp, "none")] < w[(bsp, "fixed")] / w[(bsp, "none")])
     steady = f"in {sum(per_round)} of {len(per_round)} round(s) on their own"
     groups = {}
     for r in rows:
-        groups.setdefault((r["method"], r["straggler_s"]), []).append(r)
+        groups.setdefault((r["method"], r["straggler"]), []).append(r)
     spread = max(max(r["wall_s"] for r in g) / min(r["wall_s"] for r in g) for g in groups.values())
     acc_spread = max(max(r["final_accuracy"] for r in g) - min(r["final_accuracy"] for r in g)
                      for g in groups.values())
@@ -145,8 +181,9 @@ stability of convergence; stragglers and gradient staleness are the price of eac
 momentum 0.5, global batch 48; SSP bound 2) and `jobs/digits_admm.toml` (consensus ADMM,
 rho 1, three ranks, global batch 48), {cfg['epochs']} epochs ({steps} steps), evaluation
 every {cfg['eval_every']} steps, run by `mpidist train` on local ranks (shared memory; this
-claim is about waiting, not links). Straggler: the last worker sleeps
-{cfg['delay'] * 1e3:.0f} ms in every step (`parallel.straggler`, `straggler_mode = "fixed"`).
+claim is about waiting, not links). Stragglers: the last worker sleeps
+{cfg['delay'] * 1e3:.0f} ms in every step (`parallel.straggler`, `straggler_mode = "fixed"`:
+persistent){', or one worker drawn per step does (`"random"`: transient)' if 'random' in kinds else ''}.
 Wall time is rank 0's summed step time; accuracy during training is a worker's own share
 of the test rows with its latest parameters (the final figure is the whole test set).
 {cfg['rounds']} round(s). Machine: {common.machine()}; a shared 2-core VM, so wall times
@@ -159,14 +196,13 @@ carry the other jobs' load.
 {chr(10).join(tab)}
 
 **Verdict.**
-- Stragglers: the straggler stretches synchronous SGD's wall time {slow[bsp]:.2f}x and
+- Persistent straggler: it stretches synchronous SGD's wall time {slow[bsp]:.2f}x and
   asynchronous SGD's {slow[asp]:.2f}x (medians; asynchronous SGD stretched less {steady}):
   {'as claimed, the synchronous barrier pays for the slowest worker and asynchrony hides it' if claim_speed else 'NOT the claimed order; see the table'}.
   Bounded staleness (bound 2): {slow[ssp]:.2f}x. With a persistent straggler the others may
   run only 2 steps ahead before they wait for it, so in the long run SSP goes at the
-  straggler's pace like BSP{' (as measured)' if slow[ssp] >= 0.8 * slow[bsp] else ' (here it came out faster than that; see the ranges)'}; its bound buys slack
-  against transient stragglers (`straggler_mode = "random"`), which this run does not inject.
-- Stability: final accuracy without / with the straggler, BSP {acc[bsp][0]:.3f} / {acc[bsp][1]:.3f},
+  straggler's pace like BSP{' (as measured)' if slow[ssp] >= 0.8 * slow[bsp] else ' (here it came out faster than that; see the ranges)'}.{transient}
+- Stability: final accuracy without / with the persistent straggler, BSP {acc[bsp][0]:.3f} / {acc[bsp][1]:.3f},
   SSP {acc[ssp][0]:.3f} / {acc[ssp][1]:.3f}, ASP {acc[asp][0]:.3f} / {acc[asp][1]:.3f}.
   {'Asynchrony costs at most a point of accuracy on this small task' if abs(acc[asp][1] - acc[bsp][1]) <= 0.01 else ('Asynchrony costs accuracy here, the stability side of the trade' if claim_stab else 'Asynchrony does better here than BSP')}; the jobs keep momentum at 0.5 because heavier
   momentum diverges under ASP staleness (their comment), which is the instability the seed means.
@@ -185,27 +221,28 @@ def main(argv=None) -> int:
     args = common.parser(NAME, __doc__).parse_args(argv)
     out = common.Outputs(NAME, args)
     if args.quick:
-        cfg = {"epochs": 1, "eval_every": 10, "delay": 0.02, "rounds": 1}
+        cfg = {"epochs": 1, "eval_every": 10, "delay": 0.02, "rounds": 1,
+               "kinds": ("none", "fixed")}
     else:
-        cfg = {"epochs": 12, "eval_every": 29, "delay": 0.02, "rounds": 2}
+        cfg = {"epochs": 12, "eval_every": 29, "delay": 0.02, "rounds": 2, "kinds": KINDS}
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mpidist-exp-") as tmp:
         # one MPI job per rank count (the PS jobs on 4, ADMM on 3); rounds and the
         # straggler / no-straggler halves alternate inside each job
         for ranks in sorted({n for _, n, _ in METHODS.values()}, reverse=True):
-            cases = [(rnd, strag, label) for rnd in range(cfg["rounds"])
-                     for strag in ((False, True) if rnd % 2 == 0 else (True, False))
+            cases = [(rnd, kind, label) for rnd in range(cfg["rounds"])
+                     for kind in (cfg["kinds"] if rnd % 2 == 0 else cfg["kinds"][::-1])
                      for label, (job, n, _) in METHODS.items()
-                     if n == ranks and not (strag and "admm" in job)]
-            runs = [(METHODS[label][0], _overrides(label, strag, cfg, tmp),
-                     os.path.join(tmp, f"{ranks}-{i}")) for i, (_, strag, label) in enumerate(cases)]
+                     if n == ranks and not (kind != "none" and "admm" in job)]
+            runs = [(METHODS[label][0], _overrides(label, kind, cfg, tmp),
+                     os.path.join(tmp, f"{ranks}-{i}")) for i, (_, kind, label) in enumerate(cases)]
             # first a one-epoch run of the job's first case, thrown away: it pays for
             # compiling the kernels, which would otherwise land on one method's clock
             warm = (runs[0][0], {**runs[0][1], "job.epochs": 1}, os.path.join(tmp, f"{ranks}-warm"))
             results = common.train_many(ranks, [warm, *runs], 1800, tmp)[1:]
-            for (rnd, strag, label), res in zip(cases, results):
-                rows.append(dict(_row(label, strag, cfg, *res), round=rnd))
+            for (rnd, kind, label), res in zip(cases, results):
+                rows.append(dict(_row(label, kind, cfg, *res), round=rnd))
     took = time.perf_counter() - t0
     out.write_csv([{k: v for k, v in r.items() if not k.startswith("curve")} for r in rows])
     _plot(rows, out.png, "digits MLP, 3 workers, local ranks")
