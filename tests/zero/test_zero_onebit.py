@@ -75,8 +75,10 @@ def test_zero_stages_follow_data_parallel(comm, optim, stage, compressor, option
     # test_onebit checks them element by element against the reference)
     key = "compress/server_residual/fc1.weight"
     res, ref = got.tensors[key], want.tensors[key]
-    assert res.shape == ref.shape and np.linalg.norm(res) > 0
-    assert abs(np.linalg.norm(res) / np.linalg.norm(ref) - 1) < 0.1
+    assert res.shape == ref.shape
+    if comm.size > 1:   # one rank: the server re-encodes a decoded payload exactly, drops 0
+        assert np.linalg.norm(res) > 0
+        assert abs(np.linalg.norm(res) / np.linalg.norm(ref) - 1) < 0.1
 
 
 @pytest.mark.parametrize("zero", [0, 1])
