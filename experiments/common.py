@@ -97,12 +97,9 @@ def command_line(name: str, args) -> str:
 
 
 def costmodel():
-    """mpidist's alpha-beta cost model module (collectives.tuning.costmodel; it lived at
-    collectives.costmodel before), imported when an experiment needs it (it starts MPI)."""
-    try:
-        from mpidist.collectives.tuning import costmodel as module
-    except ImportError:
-        from mpidist.collectives import costmodel as module
+    """mpidist's alpha-beta cost model module, imported when an experiment needs it (it
+    starts MPI)."""
+    from mpidist.collectives.tuning import costmodel as module
     return module
 
 
