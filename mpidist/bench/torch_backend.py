@@ -5,8 +5,8 @@
     python -m mpidist.launcher -n 2 -- mpidist bench torch_backend   # this world size only
 
 The same script and model for both (the MLP 1024-2048-2048-10, 6.3M parameters, --batch
-synthetic samples per rank, momentum SGD, DDP's default 25 MB buckets), one thread per rank;
-only the process group differs: "mpidist" (the default group, made by
+synthetic samples per rank, momentum SGD, DDP buckets of --bucket-mb, default DDP's 25 MB),
+one thread per rank; only the process group differs: "mpidist" (the default group, made by
 mpidist.torch.backend.init_process_group) or gloo (a group of the same ranks). The two
 models take turns step by step, each step after a barrier, so a change of the machine's load
 hits both alike. A step is zero_grad, forward, backward (DDP's bucket allreduces overlap it)
@@ -38,6 +38,8 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--batch", type=int, default=32, help="samples per rank")
     p.add_argument("--algorithm", default="auto", help="mpidist allreduce algorithm")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP's bucket_cap_mb, for both backends (25 is DDP's default)")
     p.add_argument("--out", default=os.path.join("results", "bench", "torch_backend"),
                    help="output directory")
     p.add_argument("--worker", action="store_true",
@@ -71,7 +73,8 @@ def _worker(args) -> dict:
     y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
     steps = {}
     for name in VARIANTS:
-        model = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=groups[name])
+        model = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=groups[name],
+                                                          bucket_cap_mb=args.bucket_mb)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
 
         def step(model=model, opt=opt):
@@ -89,6 +92,7 @@ def _worker(args) -> dict:
             if i >= args.warmup:
                 times[k].append(time.perf_counter() - t0)
     out = {"ranks": comm.size, "batch_per_rank": args.batch, "algorithm": args.algorithm,
+           "bucket_mb": args.bucket_mb,
            "params": sum(p.numel() for p in _mlp().parameters())}
     for k, rows in times.items():
         slowest = np.empty(len(rows))
@@ -108,7 +112,8 @@ def _run_sizes(args) -> list[dict]:
             path = os.path.join(tmp, "result.json")
             argv = [sys.executable, "-m", "mpidist", "bench", "torch_backend", "--worker",
                     "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--batch", str(args.batch), "--algorithm", args.algorithm]
+                    "--batch", str(args.batch), "--algorithm", args.algorithm,
+                    "--bucket-mb", str(args.bucket_mb)]
             proc = run(n, argv, timeout=1800)
             if proc.returncode != 0:
                 raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
@@ -120,8 +125,9 @@ def _run_sizes(args) -> list[dict]:
 def _report(rows, args) -> str:
     head = f"{'ranks':>5} {'backend':>8} {'step ms':>8} {'samples/s':>10} {'vs gloo':>8}"
     lines = [f"DDP, MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
-             f"batch {args.batch}/rank, momentum SGD, one thread per rank, {args.steps} timed "
-             f"steps alternated; mpidist algorithm {args.algorithm}", head, "-" * len(head)]
+             f"batch {args.batch}/rank, momentum SGD, DDP buckets {args.bucket_mb:g} MB, one "
+             f"thread per rank, {args.steps} timed steps alternated; mpidist algorithm "
+             f"{args.algorithm}", head, "-" * len(head)]
     for r in rows:
         for v in VARIANTS:
             m = r[v]

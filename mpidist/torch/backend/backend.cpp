@@ -259,7 +259,8 @@ class __attribute__((visibility("hidden"))) MpidistBackend : public c10d::Backen
       case c10d::ReduceOp::BXOR: name = "bxor"; break;
       case c10d::ReduceOp::PREMUL_SUM: {
         name = "premul_sum";
-        auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+        // NCCLPreMulSumSupplement: the older name, an alias of PreMulSumSupplement in torch 2.13
+        auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
         TORCH_CHECK(s != nullptr, "mpidist: PREMUL_SUM without its factor");
         factor = s->tensor_factor.defined() ? py::cast(s->tensor_factor)
                                             : py::cast(s->double_factor);
