@@ -8,4 +8,12 @@ from mpidist.torch.optimizer import (DistributedOptimizer, broadcast_optimizer_s
                                      broadcast_parameters, named_parameters)
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "named_parameters"]
+           "named_parameters", "init_process_group"]
+
+
+def __getattr__(name):
+    # the torch.distributed backend (mpidist.torch.backend) is imported on first use only
+    if name == "init_process_group":
+        from mpidist.torch.backend import init_process_group
+        return init_process_group
+    raise AttributeError(f"module 'mpidist.torch' has no attribute {name!r}")

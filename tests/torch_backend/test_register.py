@@ -36,3 +36,9 @@ def test_torch_init_process_group_after_register(clean_env):
         assert torch.equal(t, torch.full((10,), float(dist.get_world_size())))
     finally:
         dist.destroy_process_group()
+
+
+def test_mpidist_torch_exports_init_process_group_lazily():
+    import mpidist.torch as mt
+    from mpidist.torch import backend
+    assert mt.init_process_group is backend.init_process_group
