@@ -131,7 +131,7 @@ class Group:
         self.comm.free()
 
     # ------------------------------------------------------------------ reductions
-    def _reduce(self, op: str, factor, t: torch.Tensor, out=None, mpi_root=None) -> None:
+    def _reduce(self, op: str, factor, t: torch.Tensor, out=None) -> None:
         """Reduce t over the group, in place (or into out, a NumPy array like t's view)."""
         route, error = None, None
         try:
