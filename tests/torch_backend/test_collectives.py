@@ -2,8 +2,9 @@
 the result written out), for float32, float64, int64 and bfloat16. Values are small
 integers, so every sum is exact in every dtype and the results must match bit for bit."""
 import pytest
-import torch
-import torch.distributed as dist
+
+torch = pytest.importorskip("torch", reason="needs torch (scripts/setup_env.sh installs it)")
+import torch.distributed as dist  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")     # torch renaming collectives
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.bfloat16]

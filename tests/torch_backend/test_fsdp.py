@@ -1,9 +1,10 @@
 """FSDP2 (fully_shard) over "mpidist" trains as DDP does, and torch.distributed.checkpoint
 saves and loads its sharded state."""
 import pytest
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+
+torch = pytest.importorskip("torch", reason="needs torch (scripts/setup_env.sh installs it)")
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 fsdp = pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2 (torch >= 2.6)")
 

@@ -3,11 +3,12 @@ MASTER_ADDR/PORT, RANK or WORLD_SIZE set: they come from MPI."""
 import os
 
 import pytest
-import torch
-import torch.distributed as dist
-from mpi4py import MPI
 
-from mpidist.torch.backend import build, register
+torch = pytest.importorskip("torch", reason="needs torch (scripts/setup_env.sh installs it)")
+import torch.distributed as dist  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from mpidist.torch.backend import build, register  # noqa: E402
 
 KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
