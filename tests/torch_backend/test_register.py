@@ -43,3 +43,23 @@ def test_mpidist_torch_exports_init_process_group_lazily():
     import mpidist.torch as mt
     from mpidist.torch import backend
     assert mt.init_process_group is backend.init_process_group
+
+
+def test_init_on_a_host_communicator():
+    """init_process_group(comm): torch's ranks are comm's (here COMM_WORLD's reversed), and
+    the host's communicator stays its own."""
+    from mpidist.torch.backend import init_process_group
+    if build.unavailable():
+        pytest.skip(f"the backend's C++ extension can not be built here: {build.unavailable()}")
+    world = MPI.COMM_WORLD
+    host = world.Split(0, world.Get_size() - 1 - world.Get_rank())
+    init_process_group(host)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (host.Get_rank(), host.Get_size())
+        t = torch.tensor([float(world.Get_rank())])
+        dist.broadcast(t, 0)                     # torch's rank 0 is the world's last rank
+        assert t.item() == world.Get_size() - 1
+        assert host.allreduce(1) == host.Get_size()
+    finally:
+        dist.destroy_process_group()
+        host.Free()
