@@ -125,9 +125,16 @@ def without_job_variables(env: dict) -> dict:
     return {k: v for k, v in env.items() if not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_"))}
 
 
-def mpi_env(n: int = 1, base: dict | None = None) -> dict:
-    """Environment for n ranks on this machine (copies `base`, default os.environ)."""
+def mpi_env(n: int = 1, base: dict | None = None, ft: bool = False) -> dict:
+    """Environment for n ranks on this machine (copies `base`, default os.environ).
+
+    ft: for a job under ULFM: mpi4py's reductions of Python objects go point to point over a
+    hidden duplicate communicator, which revoking the communicator does not reach (a rank
+    waiting there for a survivor that left would never return); MPI4PY_RC_FAST_REDUCE=0
+    makes them MPI collectives on the communicator itself."""
     env = dict(os.environ if base is None else base)
+    if ft:
+        env.setdefault("MPI4PY_RC_FAST_REDUCE", "0")
     if any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")):
         # started from inside an MPI job: the parent's wiring would make a nested mpiexec fail
         env = without_job_variables(env)
@@ -172,7 +179,7 @@ def run(n: int, argv: list[str], timeout: float | None = None, ft: bool = False,
     The job runs in a session of its own: after `timeout` seconds, or on an interrupt, the
     whole session is ended (_end_session: mpiexec and every rank), not only mpiexec, whose
     ranks would otherwise keep running; then TimeoutExpired (or the interrupt) is raised."""
-    env = mpi_env(n, kwargs.pop("env", None))
+    env = mpi_env(n, kwargs.pop("env", None), ft=ft)
     if kwargs.pop("capture_output", False):
         kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
     with subprocess.Popen(mpiexec_argv(n, argv, ft), env=env, start_new_session=True,
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                      "FT environment with `MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh` and run "
                      "from it (source <its path>/bin/activate)")
     cmd = mpiexec_argv(args.np, command, ft=args.ft)
-    os.execvpe(cmd[0], cmd, mpi_env(args.np))
+    os.execvpe(cmd[0], cmd, mpi_env(args.np, ft=args.ft))
 
 
 if __name__ == "__main__":

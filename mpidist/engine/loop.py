@@ -189,7 +189,7 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
             if hook is not None:
                 hook.after_step(strategy, last)
             if resilience is not None:
-                resilience.after_step(strategy)
+                resilience.after_step(strategy, rec)
             ev = job["eval_every"]
             if (ev and strategy.step % ev == 0) or (not ev and (i == per_epoch - 1 or last)):
                 last_eval, eval_at = evaluate(strategy, test, eval_bs), strategy.step

@@ -38,10 +38,11 @@ import signal
 import threading
 import time
 
+import mpi4py
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.engine.metrics import setup_logging
+from mpidist.engine.metrics import MetricsWriter, setup_logging
 from mpidist.engine.strategy import InMemoryState, replicated_pieces
 from mpidist.errors import ConfigError
 from mpidist.ft import ulfm
@@ -67,6 +68,12 @@ class Resilience:
                               "`MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh` and start the job from "
                               "it with `python -m mpidist.launcher --ft -n N -- mpidist train ...` "
                               "(or `mpiexec --with-ft ulfm ...`)")
+        if mpi4py.rc.fast_reduce:
+            # its reductions of Python objects run over a hidden duplicate communicator that
+            # a revoke does not reach: a rank could wait there forever for a survivor
+            raise ConfigError("[job] fault_tolerance = 'shrink' needs MPI4PY_RC_FAST_REDUCE=0 in every "
+                              "rank's environment (python -m mpidist.launcher --ft sets it; with "
+                              "mpirun add -x MPI4PY_RC_FAST_REDUCE=0)")
         self.comm = comm
         zero = config["parallel"]["strategy"] == "zero"
         self.route = config["job"]["shard_restore"] if zero else "replica"
@@ -77,6 +84,8 @@ class Resilience:
         self._restore = None       # what the next strategy loads: a state, "checkpoint" or None
         self._pending: dict | None = None   # the recovery waiting for its first completed step
         self._out_dir = config["job"]["out_dir"]
+        self._record = None        # the metrics record of this rank's newest completed step
+        self._unwritten = None     # that of the newest step a survivor completed, for rank 0
         self._kill_after = _planned_kills(os.environ.get(ENV_KILL, ""), MPI.COMM_WORLD.Get_rank())
 
     # ------------------------------------------------------------------ the loop's calls
@@ -87,7 +96,7 @@ class Resilience:
             try:
                 return body(config, self.comm, *args, resilience=self)
             except Exception as exc:
-                if ulfm.failure_of(exc) is None:
+                if ulfm.failure_of(exc) is None and not ulfm.broken(self.comm, wait=1.0):
                     raise
                 self._recover(time.perf_counter())
 
@@ -108,12 +117,16 @@ class Resilience:
             self._pending["resumed_from"] = strategy.step
             self._pending["steps_redone"] = max(0, self._pending.pop("completed") - strategy.step)
         self._holder = strategy
+        if self._unwritten is not None and self._unwritten["step"] == strategy.step and self.comm.rank == 0:
+            self._write_unwritten()
+        self._unwritten = None
         if self.route == "neighbour":
             self._snapshot(strategy)
 
-    def after_step(self, strategy) -> None:
-        """After every completed step: keep this step's shard (zero, neighbour route) and
-        close the record of a recovery at its first completed step."""
+    def after_step(self, strategy, record: dict | None = None) -> None:
+        """After every completed step (record: its metrics line): keep this step's shard (zero,
+        neighbour route) and close the record of a recovery at its first completed step."""
+        self._record = record
         if strategy.step in self._kill_after:
             threading.Timer(random.Random(strategy.step).uniform(0, 0.05), self._die).start()
         if self.route == "neighbour":
@@ -129,6 +142,21 @@ class Resilience:
                             "the failure", ",".join(map(str, rec["lost_ranks"])), rec["step"],
                             rec["new_size"], rec["resumed_from"], rec["steps_redone"], rec["restored_from"],
                             rec["seconds"])
+
+    def _write_unwritten(self) -> None:
+        """Append the metrics line of the newest completed step unless the file has it."""
+        path = os.path.join(self._out_dir, "metrics.jsonl")
+        step = self._unwritten["step"]
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(max(0, os.path.getsize(path) - (1 << 16)))
+                tail = fh.read().decode(errors="replace")
+        except OSError:
+            tail = ""
+        if f'"event": "step", "step": {step},' not in tail:
+            writer = MetricsWriter(path, True, append=True)
+            writer.write(self._unwritten)
+            writer.close()
 
     def _die(self) -> None:
         with open(os.path.join(self._out_dir, f"killed-rank{MPI.COMM_WORLD.Get_rank()}.txt"), "w") as fh:
@@ -150,11 +178,14 @@ class Resilience:
             try:
                 completed = max(self.comm.comm.allgather(completed))
                 source = self._agree()
+                records = self.comm.comm.allgather(self._record)
                 break
             except Exception as exc:
-                if ulfm.failure_of(exc) is None:
+                if ulfm.failure_of(exc) is None and not ulfm.broken(self.comm, wait=1.0):
                     raise
         self._restore = source
+        # the newest step's metrics line, which a dead rank 0 may not have written
+        self._unwritten = next((r for r in records if r is not None and r.get("step") == completed), None)
         rec = {"step": completed, "lost_ranks": sorted(lost), "new_size": self.comm.size,
                "restored_from": "checkpoint" if isinstance(source, str) else
                ("start" if source is None else self.route), "completed": completed, "t_fail": t_fail}

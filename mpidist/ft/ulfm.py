@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from mpi4py import MPI
 
 from mpidist.comm import Communicator
 
-__all__ = ["active", "failure_of", "revoke", "shrink", "world_ranks", "exit_now"]
+__all__ = ["active", "failure_of", "broken", "revoke", "shrink", "world_ranks", "exit_now"]
 
 _FAILURE_CLASSES = tuple(getattr(MPI, name) for name in
                          ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -48,6 +49,32 @@ def failure_of(exc: BaseException | None) -> "MPI.Exception | None":
                 return exc
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def broken(comm, wait: float = 0.0) -> bool:
+    """Does this process know of a dead rank in comm (a Communicator), or is comm revoked?
+    Local; polls up to `wait` seconds for the news to arrive.
+
+    Under a failure a collective can also end in garbage rather than an MPI error (seen:
+    mpi4py's pickled allgather unpickling a buffer a dead rank never filled), so an error
+    that is not an MPI failure is checked against this before it is taken for a bug."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if comm.comm.Is_revoked():
+                return True
+            group = comm.comm.Get_failed()
+            dead = group.Get_size()
+            group.Free()
+            if dead:
+                return True
+        except MPI.Exception:
+            return True
+        except AttributeError:           # an mpi4py without ULFM
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def revoke(comm) -> None:
