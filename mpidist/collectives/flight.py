@@ -83,7 +83,7 @@ def begin(comm, signature) -> list:
 
 def end(entry) -> None:
     """Mark a call complete (None: nothing was entered, e.g. with the guard off)."""
-    if entry is not None:
+    if entry is not None and entry[_END] is None:
         entry[_END] = time.time()
 
 

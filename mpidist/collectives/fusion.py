@@ -46,6 +46,7 @@ class Handle:
     def __init__(self, futures: list[Future], result, entry=None):
         self._futures = futures
         self._result = result
+        self._entry = entry
         if entry is not None:
             pending = [len(futures)]
 
@@ -64,6 +65,7 @@ class Handle:
     def wait(self, timeout: float | None = None):
         for f in self._futures:
             f.result(timeout)          # re-raises the worker's exception, if any
+        flight.end(self._entry)        # (the futures' callbacks may not have run yet)
         return self._result
 
 

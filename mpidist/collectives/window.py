@@ -15,7 +15,8 @@ writes into the buffer. Float32 and float64 only (half precision needs wider sum
 collectives, which widen).
 
 The reductions run in order on a worker thread of the buffer's own, so they overlap with
-the caller's work, as allreduce_async does. Its barriers are counters in the window that
+the caller's work, as allreduce_async does; each is on the flight recorder's record, so the
+watchdog reports a rank that stops submitting them. Its barriers are counters in the window that
 the waiting thread polls with short sleeps: an MPI barrier would poll a core the caller's
 compute needs while the other ranks are still in backward.
 """
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives import shm
+from mpidist.collectives import flight, shm
 from mpidist.collectives.fusion import Handle
 from mpidist.comm import as_communicator
 from mpidist.partition import counts_displs
@@ -61,6 +62,7 @@ class SharedBuffer:
             raise ValueError(f"a SharedBuffer needs several ranks on one node and float32 or "
                              f"float64 data, got {c.size} rank(s) on {c.num_nodes} node(s), "
                              f"{dtype}; check SharedBuffer.usable first")
+        self._owner = c                         # whose flight record lists the reductions
         self.comm = c.comm.Dup()                 # the worker's own channel
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         nbytes = _HEADER + int(n) * dtype.itemsize
@@ -127,8 +129,9 @@ class SharedBuffer:
         if not 0 <= lo <= hi <= self.data.shape[0]:
             raise ValueError(f"range [{lo}, {hi}) is outside the buffer's "
                              f"{self.data.shape[0]} elements")
+        entry = flight.begin(self._owner, ("shared_allreduce", ("lo", int(lo)), ("hi", int(hi))))
         fut = self._pool.submit(self._allreduce, int(lo), int(hi))
-        return Handle([fut], self.data[lo:hi])
+        return Handle([fut], self.data[lo:hi], entry)
 
     def reduce_scatter_async(self, lo: int, hi: int, mine: tuple[int, int]) -> Handle:
         """Start summing over the ranks the part of data[lo:hi] this rank owns, mine =
@@ -137,8 +140,9 @@ class SharedBuffer:
         if not 0 <= lo <= hi <= self.data.shape[0]:
             raise ValueError(f"range [{lo}, {hi}) is outside the buffer's "
                              f"{self.data.shape[0]} elements")
+        entry = flight.begin(self._owner, ("shared_reduce_scatter", ("lo", int(lo)), ("hi", int(hi))))
         fut = self._pool.submit(self._reduce_owned, int(lo), int(hi), tuple(mine))
-        return Handle([fut], self.data[mine[0]:mine[1]])
+        return Handle([fut], self.data[mine[0]:mine[1]], entry)
 
     def allgather(self, bounds) -> None:
         """Collective: copy every other rank's owned range [bounds[j], bounds[j+1]) out of
@@ -149,11 +153,19 @@ class SharedBuffer:
                 if j != self.rank:
                     self.data[bounds[j]:bounds[j + 1]] = self.slices[j][bounds[j]:bounds[j + 1]]
             self._barrier()
-        self._pool.submit(run).result()
+        self._run(("shared_allgather",), run)
 
     def fence(self) -> None:
         """Collective, after waiting for the reductions: no rank still reads my slice."""
-        self._pool.submit(self._barrier).result()
+        self._run(("shared_fence",), self._barrier)
+
+    def _run(self, signature, fn) -> None:
+        """fn on the worker, in order after the reductions, and wait; on the flight record."""
+        entry = flight.begin(self._owner, signature)
+        try:
+            self._pool.submit(fn).result()
+        finally:
+            flight.end(entry)
 
     def free(self) -> None:
         """Collective: end the worker and free the window."""

@@ -29,3 +29,17 @@ def test_ranges_sum_in_place_with_the_same_bits(comm, dtype):
     with pytest.raises(ValueError, match="outside"):
         buf.allreduce_async(0, n + 1)
     buf.free()
+
+
+def test_reductions_are_on_the_flight_record(comm):
+    """The watchdog sees a SharedBuffer reduction that never completes: each is recorded."""
+    from mpidist.collectives import flight
+    if not SharedBuffer.usable(comm, np.float32):
+        pytest.skip("needs several ranks on one node")
+    buf = SharedBuffer(64, np.float32, comm)
+    buf.allreduce_async(0, 64).wait()
+    buf.fence()
+    rec = flight.records(comm)[-2:]
+    assert [r["call"] for r in rec] == ["shared_allreduce(lo=0, hi=64)", "shared_fence()"], rec
+    assert all(r["end"] is not None for r in rec), rec
+    buf.free()
