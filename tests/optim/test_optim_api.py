@@ -11,7 +11,8 @@ from mpidist.optim import (OPTIMIZERS, DynamicLossScaler, Schedule, build_optimi
                            build_schedule, scale_lr)
 
 LAYOUT = Layout([("fc.weight", (8, 5)), ("fc.bias", (5,)), ("ln.weight", (5,))])
-HYPER = {"sgd": {"momentum": 0.9}, "adamw": {"amsgrad": True}, "lars": {}, "lamb": {}}
+HYPER = {"sgd": {"momentum": 0.9}, "adamw": {"amsgrad": True}, "lars": {}, "lamb": {},
+         "onebit_adam": {}, "onebit_lamb": {}}
 
 
 def arrays(seed=0, dtype=np.float32):
@@ -21,8 +22,8 @@ def arrays(seed=0, dtype=np.float32):
 
 
 def test_registry_lists_names_on_unknown():
-    assert set(OPTIMIZERS) == {"sgd", "adamw", "lars", "lamb"}
-    with pytest.raises(ValueError, match="sgd, adamw, lars, lamb"):
+    assert set(OPTIMIZERS) == {"sgd", "adamw", "lars", "lamb", "onebit_adam", "onebit_lamb"}
+    with pytest.raises(ValueError, match="sgd, adamw, lars, lamb, onebit_adam, onebit_lamb"):
         build_optimizer("adam", LAYOUT)
 
 
