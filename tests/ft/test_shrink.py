@@ -157,8 +157,10 @@ def test_zero2_restores_the_lost_shard(ft_python, baseline, tmp_path, route):
                        sets=("parallel.strategy='zero'", "parallel.stage=2", f"job.shard_restore='{route}'"))
     recs = check_recovered(tmp_path, rc, log, baseline, [[rank]], what)
     assert recs[0]["restored_from"] == route, (what, recs)
-    if route == "checkpoint":       # from the newest checkpoint before the failure (interval 50)
-        assert recs[0]["resumed_from"] == recs[0]["step"] // 50 * 50, (what, recs)
+    if route == "checkpoint":       # from a checkpoint before the failure (interval 50; the
+        # newest one, unless the kill cut its write short)
+        assert recs[0]["resumed_from"] % 50 == 0, (what, recs)
+        assert 0 <= recs[0]["step"] - recs[0]["resumed_from"] < 100, (what, recs)
     else:               # one step when the kill cut the copy of the step before short
         assert recs[0]["steps_redone"] <= 1, (what, recs)
 
