@@ -29,20 +29,21 @@ status=0
 run() {  # run LABEL NRANKS PYTEST-ARGS...
   local label=$1 n=$2; shift 2
   local logdir="$out/$label"; mkdir -p "$logdir"
-  echo "=== $label: $n rank(s), limit ${limit}s ==="
+  local cap=$limit; [ "$n" = plain ] && cap=$((limit * 2))   # the plain session runs every launcher test
+  echo "=== $label: $n rank(s), limit ${cap}s ==="
   local start=$SECONDS
   if [ "$n" = plain ]; then
-    MPIDIST_TEST_LOGDIR=$logdir timeout -k 20 "$limit" \
+    MPIDIST_TEST_LOGDIR=$logdir timeout -k 20 "$cap" \
       python -m mpidist.launcher --env-only -- python -m pytest --junitxml="$out/$label.xml" "$@"
   else
-    MPIDIST_TEST_LOGDIR=$logdir timeout -k 20 "$limit" \
+    MPIDIST_TEST_LOGDIR=$logdir timeout -k 20 "$cap" \
       python -m mpidist.launcher -n "$n" -- python -m pytest --junitxml="$out/$label.xml" "$@"
   fi
   local rc=$?
   echo "=== $label: exit $rc in $((SECONDS - start)) s ==="
   if [ $rc -ne 0 ]; then
     status=1
-    [ $rc -eq 124 ] && echo "!!! $label hit the ${limit}s run limit (deadlock?)"
+    [ $rc -eq 124 ] && echo "!!! $label hit the ${cap}s run limit (deadlock?)"
     for f in "$logdir"/rank*.log; do [ -s "$f" ] && { echo "--- $f (tail)"; tail -n 40 "$f"; }; done
   fi
 }
