@@ -22,14 +22,13 @@ one rank, where DDP has nothing to do).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
-import sys
-import tempfile
 import time
 
 import numpy as np
+
+from mpidist.bench._driver import drive
 
 __all__ = ["main"]
 
@@ -171,24 +170,6 @@ def _worker(args) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def _run_sizes(args) -> list[dict]:
-    from mpidist.launcher import run
-    rows = []
-    for n in [int(r) for r in args.ranks.split(",")]:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "result.json")
-            argv = [sys.executable, "-m", "mpidist", "bench", "torch", "--worker", "--json", path,
-                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
-                    "--algorithm", args.algorithm, "--variants", ",".join(args.variants)]
-            proc = run(n, argv, timeout=1800)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
-            with open(path) as fh:
-                rows.append(json.load(fh))
-    return rows
-
-
 def _report(rows, args) -> str:
     head = (f"{'ranks':>5} {'variant':>8} {'step ms':>8} {'compute':>8} {'exp.comm':>8} "
             f"{'optim':>6} {'samples/s':>10} {'ratio':>6}")
@@ -211,29 +192,7 @@ def _report(rows, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    try:
-        import torch  # noqa: F401  (optional: the bench needs it, mpidist does not)
-    except ImportError:
-        print("mpidist bench torch needs PyTorch: pip install 'mpidist[torch]'", file=sys.stderr)
-        return 2
-    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
-    if args.worker or launched:
-        result = _worker(args)
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump(result, fh, indent=1)
-            else:
-                print(_report([result], args))
-        return 0
-    rows = _run_sizes(args)
-    text = _report(rows, args)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "torch.json"), "w") as fh:
-        json.dump({"rows": rows, "args": vars(args)}, fh, indent=1)
-    with open(os.path.join(args.out, "torch.txt"), "w") as fh:
-        fh.write(text + "\n")
-    print(f"wrote {args.out}/torch.{{json,txt}}")
-    return 0
+    return drive("torch", args, _worker, _report,
+                 ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                  "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
+                  "--algorithm", args.algorithm, "--variants", ",".join(args.variants)])

@@ -16,13 +16,12 @@ samples/s and the ratio of mpidist's to gloo's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import tempfile
 import time
 
 import numpy as np
+
+from mpidist.bench._driver import drive
 
 __all__ = ["main"]
 
@@ -104,24 +103,6 @@ def _worker(args) -> dict:
     return out
 
 
-def _run_sizes(args) -> list[dict]:
-    from mpidist.launcher import run
-    rows = []
-    for n in [int(r) for r in args.ranks.split(",")]:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "result.json")
-            argv = [sys.executable, "-m", "mpidist", "bench", "torch_backend", "--worker",
-                    "--json", path, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                    "--batch", str(args.batch), "--algorithm", args.algorithm,
-                    "--bucket-mb", str(args.bucket_mb)]
-            proc = run(n, argv, timeout=1800)
-            if proc.returncode != 0:
-                raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
-            with open(path) as fh:
-                rows.append(json.load(fh))
-    return rows
-
-
 def _report(rows, args) -> str:
     head = f"{'ranks':>5} {'backend':>8} {'step ms':>8} {'samples/s':>10} {'vs gloo':>8}"
     lines = [f"DDP, MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
@@ -139,30 +120,7 @@ def _report(rows, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    try:
-        import torch  # noqa: F401  (optional: the bench needs it, mpidist does not)
-    except ImportError:
-        print("mpidist bench torch_backend needs PyTorch: pip install 'mpidist[torch]'",
-              file=sys.stderr)
-        return 2
-    launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
-    if args.worker or launched:
-        result = _worker(args)
-        from mpi4py import MPI
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump(result, fh, indent=1)
-            else:
-                print(_report([result], args))
-        return 0
-    rows = _run_sizes(args)
-    text = _report(rows, args)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "torch_backend.json"), "w") as fh:
-        json.dump({"rows": rows, "args": vars(args)}, fh, indent=1)
-    with open(os.path.join(args.out, "torch_backend.txt"), "w") as fh:
-        fh.write(text + "\n")
-    print(f"wrote {args.out}/torch_backend.{{json,txt}}")
-    return 0
+    return drive("torch_backend", args, _worker, _report,
+                 ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                  "--batch", str(args.batch), "--algorithm", args.algorithm,
+                  "--bucket-mb", str(args.bucket_mb)])
