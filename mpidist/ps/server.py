@@ -20,8 +20,8 @@ Server loop (one update = one epoch):
   2. wait until the closed slot's DONE counter equals the tickets it had (bounded wait);
   3. drain: copy the slot's gradient sum and per-worker counts, zero them;
   4. apply the optimizer to the shard (gradient sum / W when averaging);
-  5. publish: WRITING = v + 1, write parameter buffer (v + 1) & 1, add the counts to
-     APPLIED (the SSP clocks), VERSION = v + 1.
+  5. publish: WRITING = v + 1, write parameter buffer (v + 1) & 1, VERSION = v + 1, then
+     add the counts to APPLIED (the SSP clocks), so pushes seen applied are in VERSION.
 A push takes exactly one ticket and so lands in exactly one drained slot: no update is lost
 or applied twice under any interleaving. At the end each server checks that its APPLIED
 counts equal every worker's step count.
@@ -196,8 +196,10 @@ class ShardServer:
             wins.replace_words(me, HALT, np.array([v], np.int64))
         wins.replace_words(me, WRITING, np.array([v], np.int64))
         self._put_params(v)
-        wins.add_words(me, self.layout.applied, self._counts)
         wins.replace_words(me, VERSION, np.array([v], np.int64))
+        # APPLIED after VERSION: a worker that sees its pushes applied (the SSP wait,
+        # pull_final) then reads a VERSION that holds them
+        wins.add_words(me, self.layout.applied, self._counts)
         self.version = v
         self.stats.updates += 1
         self.stats.pushes += entries
