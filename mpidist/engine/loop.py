@@ -182,6 +182,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
                    **{k: m[k] for k in ("lr", "skipped") if k in m},
                    **{k: v for k, v in m.items() if k.startswith("mem_")}}   # e.g. ZeRO's memory report
             writer.write(rec)
+            if resilience is not None:          # before any other collective can fail
+                resilience.step_done(rec)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", samples_s=f"{count / t_step:.0f}", refresh=False)

@@ -123,6 +123,11 @@ class Resilience:
         if self.route == "neighbour":
             self._snapshot(strategy)
 
+    def step_done(self, record: dict) -> None:
+        """Right after a step completes, before the checkpoint hook's collectives: its metrics
+        line, which the new rank 0 writes if rank 0 dies before writing it."""
+        self._record = record
+
     def after_step(self, strategy, record: dict | None = None) -> None:
         """After every completed step (record: its metrics line): keep this step's shard (zero,
         neighbour route) and close the record of a recovery at its first completed step."""
