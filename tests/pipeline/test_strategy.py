@@ -38,6 +38,12 @@ class MomentumSGD:
     def state_buffers(self):
         return {"momentum": self.velocity}
 
+    def extra_state(self):
+        return {}
+
+    def load_extra_state(self, extra):
+        assert extra == {}
+
 
 def _config(size, hidden=(8, 8, 8), **parallel):
     raw = {"model": {"name": "mlp", "hidden": list(hidden)},
