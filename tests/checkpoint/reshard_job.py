@@ -1,5 +1,5 @@
 """Write a checkpoint at this world size and read back every checkpoint in the directory,
-whatever world size wrote it (run by test_checkpoint_jobs.py at p = 1..4).
+whatever world size wrote it (run by test_jobs.py at p = 1..4).
 
     python -m mpidist.launcher -n 3 -- python tests/checkpoint/reshard_job.py DIR [--no-write]
 

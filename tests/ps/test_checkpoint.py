@@ -19,7 +19,7 @@ from mpidist.engine.loop import run
 from mpidist.engine.strategy import gather_state
 from mpidist.launcher import mpiexec_argv
 from mpidist.ps.strategy import ParameterServerStrategy
-from tests.checkpoint.test_checkpoint_jobs import ROOT, _wait_for, clean_env
+from tests.checkpoint.test_jobs import ROOT, _wait_for, clean_env
 
 META = {"kind": "classification", "in_shape": (64,), "classes": 10}
 

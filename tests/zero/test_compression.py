@@ -7,7 +7,7 @@ import pytest
 
 from mpidist.engine.strategy import build_strategy, gather_state
 from mpidist.errors import ConfigError
-from tests.zero.test_zero_strategy import BATCH, META, config
+from tests.zero.test_strategy import BATCH, META, config
 
 
 def run(strategy, comm, steps=4, seed=0):
