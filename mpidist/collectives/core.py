@@ -23,8 +23,8 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run
            "reduced_bytes", "flat_view", "check_out", "read_only"]
 
 _PARTS = {"ring": ring, "shm": shm, "native": native}
-_WIDE, _WIDE_SHARD = 90, 91     # scratch slots of the float32 copies of half precision data
-_STAGE_IN, _STAGE_OUT = 92, 93  # pinned host slots of CuPy data staged for a host-only MPI
+_WIDE, _WIDE_SHARD = "core.wide", "core.wide_shard"     # float32 copies of half precision
+_STAGE_IN, _STAGE_OUT = "core.stage_in", "core.stage_out"  # CuPy data staged for a host-only MPI
 
 
 def flat_view(x, what: str):
@@ -63,7 +63,7 @@ def _overlap(a, b) -> bool:
     return np.shares_memory(a, b)
 
 
-def _on_host(c, x, slot: int, copy: bool = True):
+def _on_host(c, x, slot: str, copy: bool = True):
     """The buffer MPI works on for x: x itself (host data, or device data for a CUDA-aware
     MPI once the stream is synchronised), else pinned host scratch memory, reused from call
     to call, holding a copy of x (uninitialised when not `copy`: an output)."""
@@ -109,10 +109,11 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
     every rank holding the same table: the guard compares the resolved name too); entry is
     the call's flight record, which the caller ends (flight.end) once the reduction is
-    complete.
+    complete. A small "native" allreduce travels with the guard's check (guard.CARRY) and
+    is reduced here: the name returned is then None, nothing is left to run.
     """
     c = as_communicator(comm)
-    error, signature, name = None, None, algorithm
+    error, signature, name, carried = None, None, algorithm, None
     try:
         x = flat_view(buf, "buf")
         opx = get_op(op)
@@ -127,10 +128,28 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
             raise ValueError("the result array is read-only; pass a writeable out=")
         signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
                      ("algorithm", algorithm if name == algorithm else f"auto: {name}"))
+        if name == "native" and 0 < x.nbytes <= guard.carry_bytes(c.size) \
+                and accumulator_dtype(x.dtype) is x.dtype:
+            carried = x if type(x) is np.ndarray else x.get()   # a decision the signature fixes
     except (TypeError, ValueError) as exc:
         error = exc
-    entry = guard.check(c, signature, error)
+    entry, rows = guard.check_carrying(c, signature, error, carried)
+    if rows is not None:
+        _reduce_rows(rows, y, opx, c.size)
+        name = None
     return c, x, y, opx, name, entry
+
+
+def _reduce_rows(rows, y, opx, size: int) -> None:
+    """y = every rank's data (rows, in rank order) reduced, as MPI_Allreduce would."""
+    dst = y if type(y) is np.ndarray else np.empty(y.size, y.dtype)
+    if size == 2:
+        opx.ufunc(rows[0], rows[1], out=dst)
+    else:
+        opx.ufunc.reduce(rows, axis=0, out=dst)
+    opx.finalize(dst, size)
+    if dst is not y:
+        y.set(dst)
 
 
 def reduced_bytes(x) -> int:
@@ -140,8 +159,9 @@ def reduced_bytes(x) -> int:
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:
-    """Run algorithm `name` on checked arguments: widen half precision, stage device data."""
-    if x.size == 0:
+    """Run algorithm `name` on checked arguments: widen half precision, stage device data.
+    Nothing to do for name None (the data came with the guard's check)."""
+    if name is None or x.size == 0:
         return
     fn = ALGORITHMS[name]
     if type(x) is np.ndarray and accumulator_dtype(x.dtype) is x.dtype:    # the fast path

@@ -9,12 +9,14 @@ from mpidist.collectives import allgather, allreduce, allreduce_async, flight, g
 from mpidist.errors import MismatchError, RemoteError
 
 
-def _odd_call(comm, what: str, last: bool):
-    """One call, the same on every rank but the last unless what is 'none'."""
-    n = 1000 - (what == "length" and last)
+def _odd_call(comm, what: str, last: bool, small: bool = False):
+    """One call, the same on every rank but the last unless what is 'none'. small: a native
+    allreduce of 1 KiB, which travels with the guard's check (guard.CARRY) where the odd
+    call does not (257 elements, float64) or does (op, call)."""
+    n = 256 + (what == "length" and last) if small else 1000 - (what == "length" and last)
     dt = np.float64 if what == "dtype" and last else np.float32
     op = "max" if what == "op" and last else "sum"
-    algorithm = "tree" if what == "algorithm" and last else "ring"
+    algorithm = "tree" if what == "algorithm" and last else "native" if small else "ring"
     x = np.ones(n, dt)
     if what == "call" and last:
         return reduce_scatter(x, op=op, comm=comm)
@@ -24,15 +26,16 @@ def _odd_call(comm, what: str, last: bool):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("what", ["length", "dtype", "op", "algorithm", "call"])
 @pytest.mark.parametrize("after", [0, 5])
-def test_mismatch_raises_on_every_rank(comm, what, after):
+@pytest.mark.parametrize("small", [False, True], ids=["ring", "carried"])
+def test_mismatch_raises_on_every_rank(comm, what, after, small):
     """A differing call raises everywhere, also after `after` matching calls of the same
     signature (the ranks that saw it before check it again)."""
     for _ in range(after):
-        _odd_call(comm, "none", False)
+        _odd_call(comm, "none", False, small)
     last = comm.rank == comm.size - 1
     t0 = time.perf_counter()
     with pytest.raises(MismatchError) as err:
-        _odd_call(comm, what, last)
+        _odd_call(comm, what, last, small)
     assert time.perf_counter() - t0 < 2.0
     msg = str(err.value)
     assert f"ranks {comm.size - 1}:" in msg and "ranks 0" in msg, msg
@@ -65,6 +68,30 @@ def test_bad_argument_on_one_rank_raises_everywhere(comm):
     expected = TypeError if comm.rank == 0 else RemoteError
     with pytest.raises(expected, match="not supported" if comm.rank == 0 else "rank"):
         allreduce(x, comm=comm)
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max", "prod"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("n", [1, 7, 128])
+def test_carried_allreduce_equals_mpi_allreduce(comm, op, dtype, n):
+    """A small native allreduce, reduced from the guard's gathered blocks, equals MPI's own
+    (integers exactly, floats to rounding), gives the same bits on every rank, and leaves
+    the input alone with out=."""
+    from mpi4py import MPI
+    rng = np.random.default_rng(comm.rank)
+    x = (rng.standard_normal(n) * 3).astype(dtype) + (op == "prod")
+    ref = x.copy()
+    comm.comm.Allreduce(MPI.IN_PLACE, ref, {"avg": MPI.SUM, "sum": MPI.SUM, "min": MPI.MIN,
+                                            "max": MPI.MAX, "prod": MPI.PROD}[op])
+    if op == "avg":
+        ref = ref // comm.size if ref.dtype.kind == "i" else ref / dtype(comm.size)
+    before = x.copy()
+    y = allreduce(x, op=op, algorithm="native", comm=comm, out=np.empty_like(x))
+    assert np.array_equal(x, before)
+    np.testing.assert_allclose(y, ref, rtol=1e-6 if dtype == np.float32 else 1e-12)
+    assert np.array_equal(allreduce(x, op=op, algorithm="native", comm=comm), y)
+    every = comm.comm.allgather(y.tobytes())
+    assert every.count(every[0]) == comm.size
 
 
 def test_modes():
