@@ -1,20 +1,14 @@
 """Numba CPU kernels of the optimizers over a flat buffer.
 
-The range an optimizer owns is cut into chunks, each inside one segment (tensor), by
-`mpidist.optim.base.Plan`: `lo[c], hi[c]` are local element bounds and `seg[c]` the
-layout's segment index. A `prange` over chunks balances the threads, and each chunk reads its
-segment's coefficients (weight decay `seg_wd`, step factor `seg_c`) once.
-
-Storage and element-wise arithmetic are float32, as in PyTorch, with the float64
-hyperparameters rounded to float32 once and no fused multiply-add (fastmath=False), so the
-NumPy reference in mpidist.optim.reference gives the same bits. Sums of squares accumulate
-in float64 over LANES interleaved partial sums (vectorised, yet with a fixed order: no
-reassociation). Each update is one fused pass over memory; reductions (finite check, sums of
-squares) are per chunk, summed per segment by the caller.
-Five kernels serve the four optimizers: options are arguments, not specialisations, so a
-new process loads five cached functions (`cache=True`) and compiles nothing. Four more serve
-the compression stage of 1-bit Adam and 1-bit LAMB (the local momentum, and the updates with
-a frozen variance).
+The range an optimizer owns is cut into chunks inside one segment (tensor) each by
+`mpidist.optim.plan.Plan` (`lo[c], hi[c]` local bounds, `seg[c]` the segment); a `prange`
+over chunks balances the threads. Storage and element arithmetic are float32, as in
+PyTorch, with the float64 hyperparameters rounded to float32 once and no fused
+multiply-add, so the NumPy reference (mpidist.optim.reference) gives the same bits; sums of
+squares accumulate in float64 over LANES interleaved partial sums (vectorised, in a fixed
+order). Each update is one fused pass; reductions are per chunk, summed per segment by the
+caller. Options are arguments, not specialisations, so a new process loads the cached
+functions (`cache=True`) and compiles nothing. See docs/ARCHITECTURE.md (kernels).
 """
 import numba
 import numpy as np

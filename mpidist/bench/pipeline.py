@@ -1,40 +1,15 @@
 """`mpidist bench pipeline`: the measured bubble and activation memory of the pipeline
 schedules on uniform stages, against the ideal bubble (p - 1) / (m + p - 1).
 
-    python -m mpidist.launcher -n 4 -- mpidist bench pipeline
     python -m mpidist.launcher -n 4 -- mpidist bench pipeline --stages 2,4 --microbatches 4,8,16
     python -m mpidist.launcher -n 2 -- mpidist bench pipeline --schedules gpipe,1f1b,interleaved
     python -m mpidist.launcher -n 4 -- mpidist bench pipeline --compute timed
 
-Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls, no sleeps), so
-the stages are uniform (interleaved: `--virtual` chunks of layers / virtual blocks; the
-loss is 0.5 sum(y^2), one cheap pass, so the last stage is no slower than the others); a
-micro-batch is `--rows` rows. For each schedule, p in --stages (the first p ranks run it,
-the others sleep) and m in --microbatches: one warm-up step, then --steps steps; the
-figures are medians over those steps. "bubble" is the mean over ranks of idle / makespan
-(mpidist.pipeline.timing), "err" its distance from the ideal relative to the ideal (target:
-within 15% for GPipe and 1F1B; "ok" judges this one); "busiest" is the busiest rank's own
-idle / makespan, with its "err": the fill and drain of the schedule on the critical stage,
-without the other stages' wait for it (stages of the same work still differ by a percent or
-two on a shared machine, and at m = 16 that alone moves the mean by more than the 15%
-allow); "replay" is the bubble the same step would have had with its measured compute times
-and instant transfers (timing.replay), so ideal -> replay is the compute's own unevenness
-(jitter, imbalance) and replay -> bubble the executor's transfers and dispatch, which
-"us/act" puts per compute action (that idle time times the step, over the 2 m v computes
-of a rank: a fixed cost that a longer stage amortises); "peak mb" is the largest peak of
-stashed activations in micro-batches' worth (target: 1F1B <= p, GPipe = m). A reference
-copy timed before each run (bench.steadiness) shows how much the machine's own speed
-drifted meanwhile.
-Writes pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0).
-
-Timings need one core per rank: with more ranks than idle cores the busy times stretch
-and the figures say more about the machine than about the schedule. `--compute timed`
-replaces each block's matmuls by a wait of fixed length (`--forward-ms` per stage forward,
-twice that backward) around a copy of the activation: stages of exactly equal cost that
-need no core while they "compute", so the bubble of the schedule, the executor and the
-transfers can be measured with more stages than cores (p = 4 on a 2-core machine), and
-the compute's own unevenness (ideal -> replay) shrinks to the executor's bookkeeping
-around each compute.
+Each stage is `--layers` blocks of Linear(dim, dim) + ReLU (real matmuls), or with
+`--compute timed` fixed-length waits that need no core (p = 4 on 2 cores). For each
+schedule, p and m: one warm-up step, then --steps steps, medians reported. Writes
+pipeline.csv, pipeline.json and one timeline PNG per run under --out (rank 0). What each
+column means: docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -66,10 +41,10 @@ def _ints(text: str) -> list[int]:
 
 
 def _parse(argv):
-    from mpidist.pipeline.schedules import SCHEDULES
+    from mpidist.pipeline.schedules import PIPELINE_SCHEDULES
     p = argparse.ArgumentParser(prog="mpidist bench pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default="gpipe,1f1b",
-                   help=f"schedules to run, of {','.join(SCHEDULES)} (default gpipe,1f1b)")
+                   help=f"schedules to run, of {','.join(PIPELINE_SCHEDULES)} (default gpipe,1f1b)")
     p.add_argument("--stages", type=_ints, default=[2, 4], help="pipeline sizes p (default 2,4)")
     p.add_argument("--microbatches", type=_ints, default=[4, 8, 16],
                    help="micro-batch counts m (default 4,8,16)")
@@ -89,8 +64,8 @@ def _parse(argv):
     args = p.parse_args(argv)
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in args.schedules:
-        if s not in SCHEDULES:
-            p.error(f"unknown schedule {s!r}; choose from {', '.join(SCHEDULES)}")
+        if s not in PIPELINE_SCHEDULES:
+            p.error(f"unknown schedule {s!r}; choose from {', '.join(PIPELINE_SCHEDULES)}")
     for what in ("virtual", "dim", "rows", "layers", "steps"):
         if getattr(args, what) < 1:
             p.error(f"--{what} must be >= 1")
@@ -221,6 +196,7 @@ def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code."""
     from mpidist.bench.steadiness import Steadiness
     from mpidist.comm import Communicator
     from mpidist.pipeline.timing import plot_timeline

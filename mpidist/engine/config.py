@@ -19,8 +19,8 @@ from mpidist.collectives.registry import algorithm_names
 from mpidist.collectives.select import load_table
 from mpidist.errors import ConfigError
 from mpidist.nn.models import MODELS
-from mpidist.optim.schedules import SCHEDULES as LR_SCHEDULES
-from mpidist.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
+from mpidist.optim.lr_schedules import LR_SCHEDULES
+from mpidist.pipeline.schedules import PIPELINE_SCHEDULES
 from mpidist.ps.consistency import MODELS as CONSISTENCY_MODELS
 
 __all__ = ["SCHEMA", "Field", "validate", "load_config", "load_toml", "format_schema", "STRATEGY_KEYS", "MODEL_KEYS",
@@ -100,7 +100,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "name": _f(str, "sgd", "optimizer in mpidist.optim's registry (sgd, adamw, lars, lamb, ...)"),
         "lr": _f((int, float), 0.01, "peak learning rate", **_pos),
         "hyper": _f(dict, {}, "other optimizer arguments, e.g. {momentum = 0.9, weight_decay = 1e-4}"),
-        "schedule": _f(str, "constant", "learning-rate schedule after warm-up (mpidist.optim.schedules)",
+        "schedule": _f(str, "constant", "learning-rate schedule after warm-up (mpidist.optim.lr_schedules)",
                        choices=LR_SCHEDULES),
         "warmup_steps": _f(int, 0, "linear warm-up steps from 0 to lr", **_nonneg),
         "end_lr": _f((int, float), 0.0, "final learning rate of cosine/poly decay", **_nonneg),

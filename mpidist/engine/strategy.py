@@ -209,10 +209,10 @@ def lr_schedule(config: dict):
     o = config["optim"]
     if o["schedule"] == "constant" and o["warmup_steps"] == 0:
         return o["lr"]
-    from mpidist.optim.schedules import build_schedule
+    from mpidist.optim.lr_schedules import build_lr_schedule
 
     total = max(config["job"]["total_steps"], o["warmup_steps"])
-    return build_schedule(o["schedule"], o["lr"], total, warmup_steps=o["warmup_steps"], end_lr=o["end_lr"])
+    return build_lr_schedule(o["schedule"], o["lr"], total, warmup_steps=o["warmup_steps"], end_lr=o["end_lr"])
 
 
 def build_optimizer_from_config(config: dict, layout, offset: int = 0, count: int | None = None):

@@ -1,5 +1,5 @@
 """Optimizers over flat buffers (SGD, AdamW, LARS, LAMB, 1-bit Adam and 1-bit LAMB),
-schedules and loss scaling.
+learning-rate schedules and loss scaling.
 
     opt = build_optimizer("lamb", layout, lr=1e-3, weight_decay=0.01, offset=o, count=c)
     info = opt.step(params, grads, reduce_norms=allreduce_sum)
@@ -9,13 +9,13 @@ from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, Optimizer, S
 from mpidist.optim.lamb import LAMB
 from mpidist.optim.lars import LARS
 from mpidist.optim.onebit import OnebitAdam, OnebitLAMB
+from mpidist.optim.lr_schedules import LR_SCHEDULES, LRSchedule, build_lr_schedule, scale_lr
 from mpidist.optim.scaler import DynamicLossScaler
-from mpidist.optim.schedules import Schedule, build_schedule, scale_lr
 from mpidist.optim.sgd import SGD
 
 __all__ = ["OPTIMIZERS", "build_optimizer", "Optimizer", "LayerwiseOptimizer", "StepInfo",
-           "SGD", "AdamW", "LARS", "LAMB", "OnebitAdam", "OnebitLAMB", "DynamicLossScaler", "Schedule", "build_schedule",
-           "scale_lr", "DEFAULT_EXCLUDE"]
+           "SGD", "AdamW", "LARS", "LAMB", "OnebitAdam", "OnebitLAMB", "DynamicLossScaler",
+           "LRSchedule", "LR_SCHEDULES", "build_lr_schedule", "scale_lr", "DEFAULT_EXCLUDE"]
 
 OPTIMIZERS = {"sgd": SGD, "adamw": AdamW, "lars": LARS, "lamb": LAMB,
               "onebit_adam": OnebitAdam, "onebit_lamb": OnebitLAMB}

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.base import Optimizer, check_adam_flags, check_betas, check_eps
+from mpidist.optim.base import Optimizer
+from mpidist.optim.checks import check_adam_flags, check_betas, check_eps
 
 __all__ = ["AdamW"]
 

@@ -13,7 +13,6 @@ totals, so a tensor split across ranks gets the same ratio as an unsplit one.
 from __future__ import annotations
 
 import abc
-import fnmatch
 import numbers
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +22,8 @@ import ml_dtypes
 
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
+from mpidist.optim.checks import check_lr, check_number, match_names
+from mpidist.optim.plan import Plan
 
 __all__ = ["Optimizer", "LayerwiseOptimizer", "StepInfo", "Plan", "DEFAULT_EXCLUDE",
            "PARAM_DTYPES", "BACKENDS"]
@@ -33,7 +34,6 @@ DEFAULT_EXCLUDE = ("*bias", "*norm*", "*bn*", "*.ln*", "ln*")
 
 PARAM_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 BACKENDS = ("auto", "cpu", "cupy", "numba-cuda")
-CHUNK = 1 << 15     # elements per CPU work item (128 KiB of float32: stays in L2 per pass)
 
 
 @dataclass
@@ -46,90 +46,6 @@ class StepInfo:
     step: int
     lr: float
     trust_ratios: np.ndarray | None = None
-
-
-class Plan:
-    """How [offset, offset+count) is cut for the kernels (all in local coordinates):
-    pieces  -- the range clipped to each segment: pbounds (npiece+1), pseg (npiece);
-    chunks  -- pieces cut into work items of at most `chunk` elements: lo, hi, seg.
-    Segment indices are the layout's, so per-segment arrays have len(layout) entries."""
-
-    def __init__(self, layout: Layout, offset: int, count: int, chunk: int = CHUNK):
-        pieces = layout.clip(offset, offset + count)
-        self.nseg = len(layout)
-        self.pseg = np.array([s for s, _, _ in pieces], np.int64)
-        self.pbounds = np.array([0] + [b - offset for _, _, b in pieces], np.int64)
-        lo, hi, seg = [], [], []
-        for s, a, b in pieces:
-            starts = np.arange(a, b, chunk, dtype=np.int64)
-            lo.append(starts - offset)
-            hi.append(np.minimum(starts + chunk, b) - offset)
-            seg.append(np.full(starts.shape, s, np.int64))
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
-        self.lo, self.hi, self.seg = cat(lo), cat(hi), cat(seg)
-
-
-def check_lr(lr):
-    """A learning rate: a number >= 0, or a schedule callable(step) -> number."""
-    if callable(lr):
-        return lr
-    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
-        raise TypeError(f"lr must be a number or a callable(step) -> lr, got {type(lr).__name__}")
-    if not np.isfinite(lr) or lr < 0:
-        raise ValueError(f"lr must be a finite number >= 0, got {lr}")
-    return float(lr)
-
-
-def check_number(name, value, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
-    """A real hyperparameter inside [lo, hi] (or open ends), with a message naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    bad = not np.isfinite(value) and not (hi == np.inf and value == np.inf)
-    if lo is not None:
-        bad |= value <= lo if lo_open else value < lo
-    if hi is not None:
-        bad |= value >= hi if hi_open else value > hi
-    if bad:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        raise ValueError(f"{name} must lie in {left}{lo}, {hi}{right}, got {value}")
-    return value
-
-
-def check_betas(betas) -> tuple[float, float]:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    return (check_number("beta1", betas[0], 0.0, 1.0, hi_open=True),
-            check_number("beta2", betas[1], 0.0, 1.0, hi_open=True))
-
-
-def check_adam_flags(amsgrad, bias_correction) -> tuple[bool, bool]:
-    """The two boolean options the Adam-moment optimizers (AdamW, LAMB) share."""
-    for what, flag in (("amsgrad", amsgrad), ("bias_correction", bias_correction)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{what} must be a bool, got {type(flag).__name__}")
-    return amsgrad, bias_correction
-
-
-def check_eps(eps) -> float:
-    """eps > 0 and a normal float32 (states are fp32: a smaller eps flushes to zero there)."""
-    eps = check_number("eps", eps, 0.0, lo_open=True)
-    tiny = float(np.finfo(np.float32).tiny)
-    if eps < tiny:
-        raise ValueError(f"eps={eps} is too small for float32 states (smallest normal "
-                         f"{tiny:.3g}); use e.g. 1e-8")
-    return eps
-
-
-def match_names(layout: Layout, patterns) -> np.ndarray:
-    """bool per layout segment: its name matches one of the fnmatch patterns."""
-    if isinstance(patterns, str) or not isinstance(patterns, (tuple, list)) or \
-            not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"exclude must be a tuple or list of name patterns (str), "
-                        f"got {patterns!r}")
-    return np.array([any(fnmatch.fnmatchcase(n, p) for p in patterns) for n in layout.names],
-                    dtype=bool)
 
 
 class Optimizer(abc.ABC):
@@ -353,9 +269,9 @@ class Optimizer(abc.ABC):
             if backend == "cpu":
                 from mpidist.kernels.optim_cpu import CPUKernels as K
             elif backend == "cupy":
-                from mpidist.kernels.optim_gpu import CuPyKernels as K
+                from mpidist.kernels.optim_cupy import CuPyKernels as K
             else:
-                from mpidist.kernels.optim_gpu import NumbaCudaKernels as K
+                from mpidist.kernels.optim_numba_cuda import NumbaCudaKernels as K
             self._kernels[backend] = K(self.plan)
         return self._kernels[backend]
 

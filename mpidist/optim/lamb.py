@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, check_adam_flags, check_betas, check_eps, \
-    check_number
+from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer
+from mpidist.optim.checks import check_adam_flags, check_betas, check_eps, check_number
 
 __all__ = ["LAMB"]
 

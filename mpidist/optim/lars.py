@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, check_number
+from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer
+from mpidist.optim.checks import check_number
 
 __all__ = ["LARS"]
 

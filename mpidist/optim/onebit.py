@@ -1,42 +1,15 @@
 """1-bit Adam (Tang et al. 2021, arXiv 2102.02888) and 1-bit LAMB (Li et al. 2021, arXiv
 2104.06069): Adam-family optimizers whose communication can be compressed.
 
-Error feedback fails with Adam because the variance is a nonlinear function of the
-gradient. Both papers therefore run in two stages:
-
+Error feedback fails with Adam because the variance is a nonlinear function of the gradient,
+so both papers run in two stages:
   1. warm-up (the first `freeze_step` steps): plain AdamW / LAMB on the averaged gradient;
-     1-bit LAMB also keeps an exponential average of each tensor's trust ratio
-     (`coeff_beta`), and at the last warm-up step copies v into a fresh variance vf;
-  2. compression stage: v (and LAMB's averaged trust ratio) frozen. Each rank forms its
-     local momentum m_i = b1*m + (1-b1)*g_i (`local_momentum`), the ranks average the m_i
-     through a compressor with error feedback on the sending and the reducing side (the
-     engine does that: mpidist.compress.momentum), and step() takes the averaged momentum m
-     in place of the gradient.
-     With precondition=True (the default) what is compressed is m_i / den, den =
-     sqrt(v/bc2_f) + eps the frozen denominator (0 where v = 0: there m is 0), and the
-     average is multiplied back by den: the same average, but the compression error lands
-     evenly on the update m/den instead of being amplified 1/den-fold where v is small.
-     It is a per-element form of 1-bit LAMB's per-tensor momentum scaling (DeepSpeed's
-     scaling_coeff); on the digits job (LAMB, eps 1e-6) plain momentum diverged right
-     after the freeze: signs give the rarely-active inputs' weights the chunk's mean
-     momentum, which over their tiny sqrt(v) became huge steps.
-     Then:
-       Adam:  w -= lr * (r + wd*w),  r = (m/bc1) / (sqrt(v/bc2_f) + eps)
-              bc2_f = 1 - b2^freeze_step; r = 0 where v = 0 (no gradient ever reached the
-              element, e.g. an always-zero input: its momentum is compression noise only,
-              which signs cannot make 0, and over eps it would be a huge step; DeepSpeed
-              asks the user for such a mask, here the frozen variance gives it)
-       LAMB:  g = (m - b1*m_old)/(1-b1) ;  vf = b2*vf + (1-b2)*g^2 ;  den = sqrt(v/bc2_f) + eps
-              r = (m/bc1)/den (0 where v = 0) ;  u = r + wd*w
-              factor_s = max over tensor s of den / (sqrt(vf/bc2) + eps)
-              (with weight decay: factor*q + (1 - q), q = min(1, ||r_s|| / ||u_s||)),
-              clipped to [factor_min, factor_max] and to within factor_threshold of the
-              last step's factor
-              w -= lr * coeff_s * factor_s * u     coeff_s: the warm-up's averaged ratio
-The factor lets the frozen ratio follow the gradient's scale as the fresh variance sees
-it (1-bit LAMB, Algorithm 1). Tensors excluded from adaptation (biases, norms) keep
-coefficient 1. State beyond LAMB's: exp_avg_sq_fresh (per element) and, per tensor, the
-ratio average and last factor (extra_state(): small, the same on every rank).
+  2. compression stage: the variance frozen; each rank forms its local momentum
+     (`local_momentum`), the engine averages it through a compressor with error feedback on
+     both sides (mpidist.compress.momentum), and step() takes the averaged momentum in
+     place of the gradient.
+The update rules are in each class's docstring. See docs/COMPRESSION.md and
+docs/ARCHITECTURE.md (optim).
 """
 from __future__ import annotations
 
@@ -46,7 +19,8 @@ import numpy as np
 
 from mpidist.kernels.backend import get_array_module
 from mpidist.optim.adamw import AdamW
-from mpidist.optim.base import DEFAULT_EXCLUDE, StepInfo, check_number
+from mpidist.optim.base import DEFAULT_EXCLUDE, StepInfo
+from mpidist.optim.checks import check_number
 from mpidist.optim.lamb import LAMB
 
 __all__ = ["OnebitAdam", "OnebitLAMB", "ONEBIT_DEFAULTS"]
@@ -76,7 +50,17 @@ def _check_onebit(freeze_step, compressor, compressor_options, precondition):
 
 
 class _Onebit:
-    """What both 1-bit optimizers add to their warm-up optimizer."""
+    """What both 1-bit optimizers add to their warm-up optimizer.
+
+    With precondition=True (the default) what is compressed is m_i / den, den =
+    sqrt(v/bc2_f) + eps the frozen denominator (0 where v = 0: there m is 0), and the average
+    is multiplied back by den: the same average, but the compression error lands evenly on
+    the update m/den instead of being amplified 1/den-fold where v is small. It is a
+    per-element form of 1-bit LAMB's per-tensor momentum scaling (DeepSpeed's
+    scaling_coeff); on the digits job (LAMB, eps 1e-6) plain momentum diverged right after
+    the freeze: signs give the rarely-active inputs' weights the chunk's mean momentum,
+    which over their tiny sqrt(v) became huge steps.
+    """
 
     onebit = True
 
@@ -136,7 +120,14 @@ class _Onebit:
 
 
 class OnebitAdam(_Onebit, AdamW):
-    """1-bit Adam over a flat-buffer range (see the module docstring); AdamW in warm-up."""
+    """1-bit Adam over a flat-buffer range; AdamW in warm-up. After the freeze:
+
+        w -= lr * (r + wd*w),  r = (m/bc1) / (sqrt(v/bc2_f) + eps),  bc2_f = 1 - b2^freeze_step
+
+    r = 0 where v = 0 (no gradient ever reached the element, e.g. an always-zero input: its
+    momentum is compression noise only, which signs cannot make 0, and over eps it would be
+    a huge step; DeepSpeed asks the user for such a mask, here the frozen variance gives it).
+    """
 
     name = "onebit_adam"
 
@@ -168,7 +159,24 @@ class OnebitAdam(_Onebit, AdamW):
 
 
 class OnebitLAMB(_Onebit, LAMB):
-    """1-bit LAMB over a flat-buffer range (see the module docstring); LAMB in warm-up."""
+    """1-bit LAMB over a flat-buffer range; LAMB in warm-up.
+
+    Warm-up also keeps an exponential average of each tensor's trust ratio (`coeff_beta`),
+    and the last warm-up step copies v into a fresh variance vf. After the freeze:
+
+        g = (m - b1*m_old)/(1-b1) ;  vf = b2*vf + (1-b2)*g^2 ;  den = sqrt(v/bc2_f) + eps
+        r = (m/bc1)/den (0 where v = 0) ;  u = r + wd*w
+        factor_s = max over tensor s of den / (sqrt(vf/bc2) + eps)
+          (with weight decay: factor*q + (1 - q), q = min(1, ||r_s|| / ||u_s||)),
+          clipped to [factor_min, factor_max] and to within factor_threshold of the last
+          step's factor
+        w -= lr * coeff_s * factor_s * u          coeff_s: the warm-up's averaged ratio
+
+    The factor lets the frozen ratio follow the gradient's scale as the fresh variance sees
+    it (1-bit LAMB, Algorithm 1). Tensors excluded from adaptation (biases, norms) keep
+    coefficient 1. State beyond LAMB's: exp_avg_sq_fresh (per element) and, per tensor, the
+    ratio average and last factor (extra_state(): small, the same on every rank).
+    """
 
     name = "onebit_lamb"
     state_names = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh")

@@ -51,6 +51,7 @@ def adamw(w, g, m, v, vmax, t, *, lr, betas, eps, wd, bias_correction=True):
 
 
 def lars_trust(w, g, *, eta, wd) -> float:
+    """LARS's trust ratio eta ||w|| / (||g|| + wd ||w||), 1 where either norm is 0."""
     wn, gn = np.sqrt(_sumsq(w)), np.sqrt(_sumsq(g))
     return eta * wn / (gn + wd * wn) if wn > 0 and gn > 0 else 1.0
 

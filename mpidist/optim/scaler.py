@@ -7,7 +7,8 @@ backoff_factor; after growth_interval clean steps in a row it is multiplied by g
 """
 from __future__ import annotations
 
-from mpidist.optim.base import StepInfo, check_number
+from mpidist.optim.base import StepInfo
+from mpidist.optim.checks import check_number
 
 __all__ = ["DynamicLossScaler"]
 

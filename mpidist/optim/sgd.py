@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.base import Optimizer, check_number
+from mpidist.optim.base import Optimizer
+from mpidist.optim.checks import check_number
 
 __all__ = ["SGD"]
 

@@ -7,10 +7,11 @@ partitioning, an executor with nonblocking transfers (pipeline.executor), per-st
     print(format_grid(build_schedule("1f1b", pp=4, microbatches=8)))
 """
 from mpidist.pipeline.partition import balanced_bounds, by_cost, by_cuts, by_params, stage_bounds
-from mpidist.pipeline.schedules import (SCHEDULES, Action, Schedule, build_schedule, format_grid,
-                                        gpipe, ideal_bubble, interleaved_1f1b, one_f_one_b,
-                                        validate)
+from mpidist.pipeline.actions import Action, Schedule
+from mpidist.pipeline.schedules import (PIPELINE_SCHEDULES, build_schedule, format_grid, gpipe,
+                                        ideal_bubble, interleaved_1f1b, one_f_one_b)
+from mpidist.pipeline.rules import validate
 
-__all__ = ["Action", "Schedule", "SCHEDULES", "build_schedule", "gpipe", "one_f_one_b",
+__all__ = ["Action", "Schedule", "PIPELINE_SCHEDULES", "build_schedule", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "validate", "format_grid", "ideal_bubble", "balanced_bounds",
            "by_params", "by_cost", "by_cuts", "stage_bounds"]

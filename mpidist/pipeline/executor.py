@@ -1,27 +1,17 @@
 """The executor: runs one rank's program of a pipeline schedule for one training step.
 
-Transfers are nonblocking: a RECV action posts an Irecv into a pooled buffer (one compute
-action ahead, as the schedule places it) and the compute that needs it waits; a SEND action
-posts an Isend that completes in the background (where the transport needs the sender's
-progress, a helper thread keeps MPI progressing while the rank computes, or "background"
-would mean "at the next MPI call": single_copy). A SEND that
-directly follows its compute in the program is posted from within that compute as soon as
-the output exists, before the stash bookkeeping: between two large computes Python runs
-from cold caches, and every microsecond there keeps the receiver waiting. Shapes and dtypes
-of the activations cross each stage boundary once (a small pickled message before the first
-activation; gradients have the shape of the activation they belong to), so every later
-transfer lands in a reused buffer of the right size. They are exchanged again only when the
-micro-batch shape changes.
-
-Activations of the micro-batches in flight are stashed per (micro-batch, stage): the layer
-caches the forward left, or, with `recompute=True`, only the stage's input, from which the
-backward re-runs the forward (same dropout masks) just before it needs them.
+Transfers are nonblocking: a RECV posts an Irecv into a pooled buffer one compute ahead, and
+the compute that needs it waits; a SEND posts an Isend that completes in the background
+(pipeline.transport: a helper thread keeps MPI progressing where the transport needs it). A
+SEND that directly follows its compute is posted from within that compute as soon as the
+output exists, so the receiver does not wait on the bookkeeping between computes. Shapes and
+dtypes cross each stage boundary once, so later transfers land in reused buffers.
+Activations in flight are stashed per (micro-batch, stage): the layer caches, or with
+`recompute=True` only the stage's input, from which the backward re-runs the forward.
+See docs/ARCHITECTURE.md (pipeline).
 """
 from __future__ import annotations
 
-import os
-import threading
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -31,9 +21,10 @@ from mpi4py import MPI
 from mpidist.comm import Communicator
 from mpidist.kernels.backend import get_array_module
 from mpidist.nn.loss import SoftmaxCrossEntropy
-from mpidist.pipeline.schedules import (BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        Action, Schedule)
+from mpidist.pipeline.actions import (BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
+                                      Action, Schedule)
 from mpidist.pipeline.stage import Stage, stash_nbytes
+from mpidist.pipeline.transport import BufferPool, ProgressThread, single_copy
 
 __all__ = ["PipelineExecutor", "StepStats", "single_copy"]
 
@@ -56,80 +47,6 @@ class StepStats:
     events: list = field(default_factory=list)  # (kind, microbatch, stage, t0, t1)
 
 
-class _Pool:
-    """Receive buffers by (shape, dtype), reused across micro-batches and steps. Keys hold
-    dtype objects, not their names: str(dtype) runs numpy Python code that, right after a
-    large matmul, took 40-60 us (cold caches) on the critical path between computes."""
-
-    def __init__(self):
-        self._free: dict[tuple, list] = {}
-        self.owned: set[int] = set()
-
-    def take(self, xp, shape, dtype):
-        free = self._free.get((tuple(shape), np.dtype(dtype)))
-        if free:
-            return free.pop()
-        buf = xp.empty(shape, dtype=dtype)
-        self.owned.add(id(buf))
-        return buf
-
-    def give(self, buf) -> None:
-        self._free.setdefault((buf.shape, buf.dtype), []).append(buf)
-
-
-class _ProgressThread:
-    """Enters MPI every `interval` seconds while this rank computes with transfers pending.
-
-    MPI moves a message larger than its eager limit only inside MPI calls of both ends
-    (measured here with Open MPI's shared-memory transport: a 128 KiB Isend followed by
-    30 ms of compute reached its waiting receiver after those 30 ms; with this thread,
-    after about 2 ms). An Iprobe for a tag nobody sends drives that progress without
-    touching the executor's requests. Between computes the thread sleeps, so it costs
-    nothing while the rank itself waits in MPI. Needs MPI_THREAD_MULTIPLE.
-    """
-
-    def __init__(self, comm: MPI.Comm, tag: int, interval: float = 1e-4):
-        self._comm, self._tag, self._interval = comm, tag, interval
-        self._stop = threading.Event()
-        self.computing = threading.Event()      # set by the executor around a compute
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self):
-        self._stop.clear()
-        self.computing.clear()
-        self._thread = threading.Thread(target=self._loop, name="mpidist-pipeline-progress",
-                                        daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self.computing.set()                    # wake the loop so it sees the stop
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.computing.wait()
-            if self._stop.is_set():
-                return
-            self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=self._tag)
-            time.sleep(self._interval)
-
-
-def single_copy(comm: Communicator) -> bool:
-    """Whether large messages between the ranks of comm move by single copy: Open MPI's
-    shared-memory transport reading the sender's buffer (CMA, XPMEM) on one node, which
-    the receiver completes without the sender entering MPI, so no helper thread is needed.
-    mpidist's launcher sets the mechanism to "none" where the machine forbids it. With a
-    transport that copies through fragments, or across nodes, the sender must progress.
-    Measured here (CMA, 2 ranks, 1F1B, m = 16, four alternations): bubble 0.074 without
-    the helper against 0.082 with it, whose wake-ups every 0.1 ms slowed the computes."""
-    if comm.num_nodes != 1 or "Open MPI" not in MPI.Get_library_version():
-        return False
-    return all(os.environ.get(f"OMPI_MCA_btl_{btl}_single_copy_mechanism", "").lower() != "none"
-               for btl in ("vader", "sm"))
-
-
 class PipelineExecutor:
     """Runs `schedule` on this rank's stages over the pipeline communicator.
 
@@ -138,7 +55,7 @@ class PipelineExecutor:
     loss: forward(logits, targets) -> (loss sum, correct), backward(scale) -> dlogits.
     progress_thread: drive MPI progress from a helper thread while computing (default: when
       MPI runs with MPI_THREAD_MULTIPLE and the transfers need it: not single_copy(comm);
-      see _ProgressThread).
+      see pipeline.transport.ProgressThread).
     """
 
     def __init__(self, schedule: Schedule, stages: dict[int, Stage], comm: Communicator, *,
@@ -174,12 +91,12 @@ class PipelineExecutor:
         self._last = schedule.num_stages - 1
         self._meta_tag = 2 * schedule.num_stages
         self._probe_tag = 3 * schedule.num_stages       # no message ever carries it
-        self._pool = _Pool()
+        self._pool = BufferPool()
         self._key = None               # micro-batch shape/dtype the metadata belongs to
         self._meta_in: dict[int, tuple] = {}    # stage -> (shape, dtype) of its input
         self._meta_out: dict[int, tuple] = {}   # stage -> (shape, dtype) of its output
         self._meta_sent: set[int] = set()
-        self._helper: _ProgressThread | None = None
+        self._helper: ProgressThread | None = None
 
     # ------------------------------------------------------------------ tags and peers
     def _act_tag(self, sender_stage: int) -> int:
@@ -198,7 +115,7 @@ class PipelineExecutor:
         mean over this batch); data parallelism passes 1 / (global count).
         """
         use_thread = self.progress_thread and self.schedule.pp > 1
-        helper = _ProgressThread(self.comm.comm, self._probe_tag) if use_thread else None
+        helper = ProgressThread(self.comm.comm, self._probe_tag) if use_thread else None
         with helper if helper is not None else nullcontext():
             self._helper = helper
             return self._run(x, y, scale, train)

@@ -2,21 +2,11 @@
 measured bubble fraction, peak activation memory, and a PNG timeline.
 
 Every rank times its own forwards and backwards from a common start (the executor's first
-collective); the step's makespan is the slowest rank's end. A rank is idle for whatever
-of the makespan it did not compute, so the measured bubble is
-
-    bubble = mean over ranks of idle / makespan
-
-which an ideal pipeline of uniform stages makes (p - 1) / (v m + p - 1). Stages that are
-not quite uniform add the faster stages' wait for the slowest to that mean; the busiest
-rank's own idle / makespan ("bubble_busiest") leaves that imbalance out: it is the fill
-and drain the schedule itself costs on the critical stage.
-
-`replay` splits the distance from that ideal in two: it re-runs the ranks' programs with
-the compute times they measured but free, instant transfers. The ideal-to-replay part
-comes from the compute itself (stages that are not quite uniform, jitter of one op on
-one rank holding up its neighbour); the replay-to-measured part is the executor's own
-cost between computes (transfers, Python dispatch).
+collective); the step's makespan is the slowest rank's end, and a rank is idle for whatever
+of the makespan it did not compute. `summarize` gives the measured bubble, `replay` what
+the same step would have cost with instant transfers, so the distance from the ideal splits
+into the compute's own unevenness and the executor's cost.
+See docs/BENCHMARKS.md (reading bench pipeline) and docs/ARCHITECTURE.md (pipeline).
 """
 from __future__ import annotations
 
@@ -38,7 +28,14 @@ def _bubbles(makespan: float, busy: list[float]) -> dict:
 
 def summarize(stats: StepStats, comm) -> dict:
     """Collective over the pipeline communicator: the step's timing and memory, same on
-    every rank. Lists are per pipeline rank."""
+    every rank. Lists are per pipeline rank.
+
+    bubble = mean over ranks of idle / makespan, which an ideal pipeline of uniform stages
+    makes (p - 1) / (v m + p - 1). Stages that are not quite uniform add the faster stages'
+    wait for the slowest to that mean; the busiest rank's own idle / makespan
+    ("bubble_busiest") leaves that imbalance out: it is the fill and drain the schedule itself
+    costs on the critical stage.
+    """
     rows = comm.comm.allgather((stats.wall, stats.busy, stats.peak_in_flight,
                                 stats.peak_stash_bytes, stats.microbatch_stash_bytes))
     wall, busy, in_flight, peak_bytes, mb_bytes = (list(c) for c in zip(*rows))
@@ -65,7 +62,14 @@ def gather_events(stats: StepStats, comm, root: int = 0) -> list[list] | None:
 def replay(events_by_rank: list[list]) -> dict:
     """The step again with the measured compute durations, each compute starting as soon
     as its rank's previous compute and its input's producer (forward of the stage before,
-    backward of the stage after) have finished: {"makespan", "bubble", "bubble_busiest"}."""
+    backward of the stage after) have finished: {"makespan", "bubble", "bubble_busiest"}.
+
+    `replay` splits the distance from that ideal in two: it re-runs the ranks' programs with
+    the compute times they measured but free, instant transfers. The ideal-to-replay part
+    comes from the compute itself (stages that are not quite uniform, jitter of one op on
+    one rank holding up its neighbour); the replay-to-measured part is the executor's own
+    cost between computes (transfers, Python dispatch).
+    """
     durations = [[(kind, mb, stage, t1 - t0) for kind, mb, stage, t0, t1 in ev]
                  for ev in events_by_rank]
     last = max((e[2] for ev in durations for e in ev), default=0)

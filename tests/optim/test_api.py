@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mpidist.flat import Layout
-from mpidist.optim import (OPTIMIZERS, DynamicLossScaler, Schedule, build_optimizer,
-                           build_schedule, scale_lr)
+from mpidist.optim import (OPTIMIZERS, DynamicLossScaler, LRSchedule, build_lr_schedule,
+                           build_optimizer, scale_lr)
 
 LAYOUT = Layout([("fc.weight", (8, 5)), ("fc.bias", (5,)), ("ln.weight", (5,))])
 HYPER = {"sgd": {"momentum": 0.9}, "adamw": {"amsgrad": True}, "lars": {}, "lamb": {},
@@ -191,7 +191,7 @@ def test_reduce_norms_must_keep_the_shape():
 
 
 def test_schedule_lr_drives_the_step():
-    sched = build_schedule("cosine", 0.4, total_steps=10, warmup_steps=4)
+    sched = build_lr_schedule("cosine", 0.4, total_steps=10, warmup_steps=4)
     opt = build_optimizer("sgd", LAYOUT, lr=sched)
     p, g = arrays()
     lrs = [opt.step(p, g).lr for _ in range(10)]
@@ -200,20 +200,20 @@ def test_schedule_lr_drives_the_step():
 
 
 def test_schedules_and_scaling_rules():
-    cos = Schedule("cosine", 1.0, total_steps=110, warmup_steps=10, end_lr=0.1)
+    cos = LRSchedule("cosine", 1.0, total_steps=110, warmup_steps=10, end_lr=0.1)
     assert cos(9) == 1.0 and cos(10) == 1.0 and cos(110) == pytest.approx(0.1)
     assert cos(60) == pytest.approx(0.55)
-    poly = build_schedule("poly", 2.0, 100, power=2.0)
+    poly = build_lr_schedule("poly", 2.0, 100, power=2.0)
     assert poly(0) == 2.0 and poly(50) == pytest.approx(0.5) and poly(100) == 0.0
-    assert build_schedule("constant", 0.3, 5, warmup_steps=2)(1) == 0.3
+    assert build_lr_schedule("constant", 0.3, 5, warmup_steps=2)(1) == 0.3
     assert scale_lr(0.1, 256, 8192) == pytest.approx(3.2)
     assert scale_lr(0.1, 256, 8192, rule="sqrt") == pytest.approx(0.1 * math.sqrt(32))
     with pytest.raises(ValueError, match="linear, sqrt"):
         scale_lr(0.1, 256, 512, rule="cube")
     with pytest.raises(ValueError, match="constant, cosine, poly"):
-        build_schedule("step", 0.1, 10)
+        build_lr_schedule("step", 0.1, 10)
     with pytest.raises(ValueError, match="warmup_steps"):
-        Schedule("cosine", 0.1, total_steps=5, warmup_steps=6)
+        LRSchedule("cosine", 0.1, total_steps=5, warmup_steps=6)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -6,7 +6,7 @@ import pytest
 
 from mpidist.flat import Layout
 from mpidist.optim import build_optimizer
-from mpidist.optim.base import CHUNK
+from mpidist.optim.plan import CHUNK
 from mpidist.optim.reference import Reference
 
 # odd sizes exercise the unrolled loops' tails

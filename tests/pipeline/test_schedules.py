@@ -3,9 +3,10 @@ import dataclasses
 
 import pytest
 
-from mpidist.pipeline.schedules import (BACKWARD, FORWARD, RECV_F, SEND_F, Action, build_schedule,
-                                        format_grid, ideal_bubble, interleaved_1f1b, one_f_one_b,
-                                        gpipe, validate)
+from mpidist.pipeline.actions import BACKWARD, FORWARD, RECV_F, SEND_F, Action
+from mpidist.pipeline.schedules import (build_schedule, format_grid, gpipe, ideal_bubble,
+                                        interleaved_1f1b, one_f_one_b)
+from mpidist.pipeline.rules import validate
 
 PM = [(p, m) for p in (1, 2, 3, 4, 5) for m in (1, 2, 3, 4, 5, 8, 16)]
 

@@ -1,7 +1,8 @@
 """timing.replay without MPI: programs of real schedules with chosen compute times."""
 import pytest
 
-from mpidist.pipeline.schedules import COMPUTE, build_schedule, ideal_bubble
+from mpidist.pipeline.actions import COMPUTE
+from mpidist.pipeline.schedules import build_schedule, ideal_bubble
 from mpidist.pipeline.timing import replay
 
 

@@ -12,16 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpidist.optim.base import check_number
+from mpidist.optim.checks import check_number
 
-__all__ = ["Schedule", "build_schedule", "SCHEDULES", "scale_lr", "SCALING_RULES"]
+__all__ = ["LRSchedule", "build_lr_schedule", "LR_SCHEDULES", "scale_lr", "SCALING_RULES"]
 
-SCHEDULES = ("constant", "cosine", "poly")
+LR_SCHEDULES = ("constant", "cosine", "poly")
 SCALING_RULES = ("linear", "sqrt")
 
 
 @dataclass(frozen=True)
-class Schedule:
+class LRSchedule:
     """Warm-up then decay; call it with the step number."""
     kind: str
     base_lr: float
@@ -32,8 +32,9 @@ class Schedule:
     warmup_start_lr: float = 0.0
 
     def __post_init__(self):
-        if self.kind not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.kind!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.kind not in LR_SCHEDULES:
+            raise ValueError(f"unknown learning-rate schedule {self.kind!r}; choose one of "
+                             f"{', '.join(LR_SCHEDULES)}")
         check_number("base_lr", self.base_lr, 0.0)
         check_number("end_lr", self.end_lr, 0.0)
         check_number("warmup_start_lr", self.warmup_start_lr, 0.0)
@@ -63,9 +64,9 @@ class Schedule:
         return self.end_lr + (self.base_lr - self.end_lr) * shape
 
 
-def build_schedule(name: str, base_lr: float, total_steps: int, **kw) -> Schedule:
-    """A Schedule by name: 'constant', 'cosine' or 'poly' (ValueError lists them)."""
-    return Schedule(name, base_lr, total_steps, **kw)
+def build_lr_schedule(name: str, base_lr: float, total_steps: int, **kw) -> LRSchedule:
+    """An LRSchedule by name: 'constant', 'cosine' or 'poly' (ValueError lists them)."""
+    return LRSchedule(name, base_lr, total_steps, **kw)
 
 
 def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str = "linear") -> float:
