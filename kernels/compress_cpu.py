@@ -1,6 +1,6 @@
 """CPU (Numba) kernels of the gradient compressors: one pass over the input each. The
 fp16/bf16 casts also serve the collectives, which reduce half precision in float32
-(NumPy's own float16 casts run a scalar loop, 4x slower than these bit manipulations).
+(NumPy's own float16 casts run a scalar loop, slower than these bit manipulations).
 
 The per-element formulas are leaf scalar functions (`_f16_bits`, `_bf16_bits`,
 `_f32_bits_of_f16`, `_uniform`, `_qsgd_code`) that call nothing else, so the GPU module

@@ -178,30 +178,36 @@ def absmax_bits(bits):
 
 
 def all_finite(bits) -> bool:
+    """Whether every float32 (as uint32 bits) is finite."""
     return absmax_bits(bits) < 0x7F800000
 
 
 def fp16_encode(bits, k, out) -> None:
+    """out = float16(x * 2**k) as bits, x given as uint32 bits (as compress_cpu.fp16_encode)."""
     if bits.size:
         _kernels().fp16[_blocks(bits.size), _TPB](bits, int(k), out)
 
 
 def bf16_encode(bits, out) -> None:
+    """Round float32 bits to bfloat16 bits into out (as compress_cpu.bf16_encode)."""
     if bits.size:
         _kernels().bf16[_blocks(bits.size), _TPB](bits, out)
 
 
 def fp16_decode(half, out) -> None:
+    """Widen float16 bits to float32 into out."""
     if half.size:
         _kernels().fp16_widen[_blocks(half.size), _TPB](half, out)
 
 
 def bf16_decode(half, out) -> None:
+    """Widen bfloat16 bits to float32 into out."""
     if half.size:
         _kernels().bf16_widen[_blocks(half.size), _TPB](half, out)
 
 
 def sign_encode(x, chunk, packed, scales) -> None:
+    """Pack the signs of x into packed and each chunk's mean |x| into scales."""
     if x.size:
         K = _kernels()
         K.chunk_mean_abs[_blocks(scales.size), _TPB](x, int(chunk), scales)
@@ -209,11 +215,13 @@ def sign_encode(x, chunk, packed, scales) -> None:
 
 
 def sign_decode_add(packed, scales, chunk, out) -> None:
+    """Add the unpacked signs times their chunk's scale to out."""
     if out.size:
         _kernels().sign_unpack_add[_blocks(out.size), _TPB](packed, scales, int(chunk), out)
 
 
 def qsgd_encode(x, levels, bucket, width, seed, codes, norms) -> None:
+    """QSGD: each bucket's max |x| into norms, stochastically rounded levels into codes."""
     if x.size:
         K = _kernels()
         K.bucket_max_abs[_blocks(norms.size), _TPB](x, int(bucket), norms)
@@ -222,12 +230,14 @@ def qsgd_encode(x, levels, bucket, width, seed, codes, norms) -> None:
 
 
 def qsgd_decode_add(codes, norms, levels, bucket, width, out) -> None:
+    """Add the decoded QSGD levels times their bucket's norm to out."""
     if out.size:
         _kernels().qsgd_unpack_add[_blocks(out.size), _TPB](codes, norms, int(levels),
                                                             int(bucket), int(width), out)
 
 
 def randomk_indices(n, k, seed, out) -> None:
+    """k distinct indices of [0, n) drawn from seed into out, the same on every rank."""
     if k:
         _kernels().randomk[_blocks(k), _TPB](int(n), int(k), int(seed), out)
 

@@ -3,23 +3,12 @@ the Alternating Direction Method of Multipliers", sections 3.3, 3.4.1 and 7.1).
 
     minimize  sum_i f_i(x_i) + g(z)   subject to  x_i = z,   i = 1..N (one block per rank)
 
-Scaled form, iteration k (one allreduce of n numbers and one of 3 numbers):
-  1. x-update (local):  x_i = argmin f_i(x) + rho/2 ||x - z + u_i||^2
-  2. z-update (global): z = prox_{g / (N rho)}(mean_i(x_i + u_i))        -- mpidist allreduce
-  3. u-update (local):  u_i = u_i + x_i - z
-  4. residuals:         r = sqrt(sum_i ||x_i - z||^2),  s = rho sqrt(N) ||z - z_prev||  -- allreduce
-     stop when r <= eps_pri = sqrt(N n) abstol + reltol max(||x||, sqrt(N) ||z||)
-           and s <= eps_dual = sqrt(N n) abstol + reltol rho ||u||   (stacked norms)
-  5. rho adaptation (3.4.1): r > mu s -> rho *= tau, u /= tau;  s > mu r -> rho /= tau, u *= tau
-     (only during the first `adapt_iters` iterations, so the fixed-rho convergence proof holds).
-
-Problems: `Lasso` (f_i = 1/2 ||A_i x - b_i||^2, g = lam ||z||_1; x-update by a cached
-Cholesky factor) and `LogisticRegression` (f_i = sum log(1 + exp(-y a^T x)), labels +-1,
-g = lam/2 ||z||^2; x-update by damped Newton). Each rank passes its own rows.
-
-`ADMMStrategy` (`strategy = "admm"` in job configs) runs the same iteration on a neural
-network: the x-update is inexact (one optimizer step on the rank's mini-batch of
-f_i(x) + rho/2 ||x - z + u_i||^2), g = 0 so z is the mean of x_i + u_i.
+Problems: `Lasso` (x-update by a cached Cholesky factor) and `LogisticRegression` (damped
+Newton); each rank passes its own rows. `consensus_admm` runs the scaled-form iteration (its
+docstring numbers the steps). `ADMMStrategy` (`strategy = "admm"` in a job) runs the same
+iteration on a neural network: the x-update is inexact (one optimizer step on the rank's
+mini-batch of f_i(x) + rho/2 ||x - z + u_i||^2), g = 0 so z is the mean of x_i + u_i.
+See docs/ARCHITECTURE.md (parameter server and ADMM).
 """
 from __future__ import annotations
 
@@ -133,6 +122,7 @@ class LogisticRegression:
 
 @dataclass
 class ADMMResult:
+    """What consensus_admm returns: z (the same on every rank), iterations, convergence."""
     z: np.ndarray
     iterations: int
     converged: bool
@@ -147,6 +137,16 @@ def consensus_admm(problem, *, comm=None, rho: float = 1.0, max_iter: int = 2000
     """Collective: solve the consensus problem whose block `problem` this rank holds.
 
     Returns the consensus z (identical on every rank) and the residual history.
+
+    Scaled form, iteration k (one allreduce of n numbers and one of 3 numbers):
+      1. x-update (local):  x_i = argmin f_i(x) + rho/2 ||x - z + u_i||^2
+      2. z-update (global): z = prox_{g / (N rho)}(mean_i(x_i + u_i))        -- mpidist allreduce
+      3. u-update (local):  u_i = u_i + x_i - z
+      4. residuals:         r = sqrt(sum_i ||x_i - z||^2),  s = rho sqrt(N) ||z - z_prev||  -- allreduce
+         stop when r <= eps_pri = sqrt(N n) abstol + reltol max(||x||, sqrt(N) ||z||)
+               and s <= eps_dual = sqrt(N n) abstol + reltol rho ||u||   (stacked norms)
+      5. rho adaptation (3.4.1): r > mu s -> rho *= tau, u /= tau;  s > mu r -> rho /= tau, u *= tau
+         (only during the first `adapt_iters` iterations, so the fixed-rho convergence proof holds).
     """
     c = as_communicator(comm)
     if not rho > 0 or not mu > 1 or not tau > 1:

@@ -84,6 +84,7 @@ def _bench_names() -> list[str]:
 
 
 def bench(argv: list[str]) -> int:
+    """`mpidist bench NAME [options]`: run mpidist.bench.NAME.main; returns the exit code."""
     names = _bench_names()
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: mpidist bench NAME [options]\nbenchmarks: " + (", ".join(names) or "none"))
@@ -97,6 +98,7 @@ def bench(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `mpidist` command: dispatch to a subcommand; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"info": "MPI, topology, h5py/Numba/CuPy support of this job",
                 "bench": "benchmarks: mpidist bench NAME (allreduce, optim, ...)",

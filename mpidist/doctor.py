@@ -37,6 +37,7 @@ _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"
 
 @dataclass(frozen=True)
 class Verdict:
+    """One line of the report: status (ok, warn, fail), what was found, and the fix."""
     status: str
     found: str
     fix: str = ""
@@ -117,6 +118,7 @@ def _rma_works(comm: Communicator) -> str:
 # -- the checks: facts of every rank -> Verdict -------------------------------------------
 
 def check_job(all_facts: list[dict], expect: int | None) -> Verdict:
+    """One job of the expected size, not N singletons."""
     size = all_facts[0]["size"]
     told = {v: int(n) for v, n in all_facts[0]["launcher"].items() if n.isdigit()}
     wanted = expect or max(told.values(), default=None)
@@ -139,6 +141,7 @@ def check_job(all_facts: list[dict], expect: int | None) -> Verdict:
 
 
 def check_library(all_facts: list[dict], launcher_vendor: str) -> Verdict:
+    """mpi4py's MPI library against the launcher's, the same on every rank."""
     libs = Counter(f["library"] for f in all_facts)
     mine = all_facts[0]
     found = f"{mine['library']}; mpi4py {__import__('mpi4py').__version__}" + \
@@ -162,6 +165,7 @@ def check_library(all_facts: list[dict], launcher_vendor: str) -> Verdict:
 
 
 def check_threads(all_facts: list[dict]) -> Verdict:
+    """The MPI thread level (the parameter server and helper threads need multiple)."""
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     level = min(f["thread_level"] for f in all_facts)
@@ -174,6 +178,7 @@ def check_threads(all_facts: list[dict]) -> Verdict:
 
 
 def check_placement(all_facts: list[dict]) -> Verdict:
+    """Ranks per node against the cores they may run on."""
     per_node = Counter(f["node"] for f in all_facts)
     cores = all_facts[0]["cores"]              # the cores rank 0 may run on
     found = f"{len(per_node)} node(s), ranks per node: " \
@@ -189,6 +194,7 @@ def check_placement(all_facts: list[dict]) -> Verdict:
 
 
 def check_shared_memory(all_facts: list[dict], cma: bool, rma_error: str) -> Verdict:
+    """One-sided atomics (tried live) and the single-copy transport."""
     env = all_facts[0]["env"]
     single_copy = env.get("OMPI_MCA_btl_vader_single_copy_mechanism", "default")
     if rma_error:
@@ -206,6 +212,7 @@ def check_shared_memory(all_facts: list[dict], cma: bool, rma_error: str) -> Ver
 
 
 def check_gpu(all_facts: list[dict], cuda_aware: bool) -> Verdict:
+    """GPUs per node against ranks per node, and CUDA-awareness."""
     gpus = Counter()
     for f in all_facts:
         gpus[f["node"]] = f["gpus"]
@@ -221,6 +228,7 @@ def check_gpu(all_facts: list[dict], cuda_aware: bool) -> Verdict:
 
 
 def check_hdf5(all_facts: list[dict], mpio: bool) -> Verdict:
+    """Whether h5py has MPI-IO (parallel checkpoints) or writes in turns."""
     import h5py
     if mpio:
         return Verdict(OK, f"h5py {h5py.__version__} with MPI-IO: checkpoints written in parallel")
@@ -230,6 +238,7 @@ def check_hdf5(all_facts: list[dict], mpio: bool) -> Verdict:
 
 
 def check_numba(all_facts: list[dict]) -> Verdict:
+    """Numba's threading layer and threads per rank against the cores."""
     f = all_facts[0]
     ranks = max(Counter(x["node"] for x in all_facts).values())
     found = f"threading layer {f['numba_layer']}, {f['numba_threads']} thread(s) per rank"
@@ -240,6 +249,7 @@ def check_numba(all_facts: list[dict]) -> Verdict:
 
 
 def check_ulfm(all_facts: list[dict]) -> Verdict:
+    """Whether the MPI library offers ULFM (fault_tolerance = "shrink")."""
     lib = all_facts[0]["library"]
     env = all_facts[0]["env"]
     has_api = hasattr(MPI.Comm, "Shrink") and hasattr(MPI.Comm, "Revoke")
@@ -271,6 +281,7 @@ def diagnose(all_facts: list[dict], *, expect=None, launcher_vendor="other", cma
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`mpidist doctor`: every check, one verdict per line; exit 1 on a failure."""
     parser = argparse.ArgumentParser(prog="mpidist doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--expect", type=int, default=None,
                         help="the number of ranks the job should have (default: the launcher's)")

@@ -1,14 +1,13 @@
 """The one place that knows how to start MPI ranks on this kind of machine.
 
 Open MPI as root needs OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM); more ranks than cores needs
-oversubscription, which also makes idle ranks yield the core instead of busy-polling
-(measured here: 4x less overhead at 4 ranks on 2 cores). Open MPI's single-copy transport
-between ranks of a node (CMA, process_vm_readv) is left on where this machine permits it and
-switched off where a container forbids it, which a quick probe decides: without it every large
-message is copied twice through shared fragments and moves only while both ends are inside
-MPI (measured here at 4 ranks: native MPI_Allreduce of 64 MiB 0.55 GB/s busbw without, 1.20
-with). Each rank gets one BLAS thread and a fair share of Numba threads. Other MPI libraries
-get a plain `mpiexec -n N`.
+oversubscription, which also makes idle ranks yield the core instead of busy-polling. Open
+MPI's single-copy transport between ranks of a node (CMA, process_vm_readv) is left on where
+this machine permits it and switched off where a container forbids it, which a quick probe
+decides: without it every large message is copied twice through shared fragments and moves
+only while both ends are inside MPI. Each rank gets one BLAS thread and a fair share of Numba
+threads. Other MPI libraries get a plain `mpiexec -n N`. What each setting buys:
+docs/PERFORMANCE.md; how to launch: docs/LAUNCHING.md.
 
     python -m mpidist.launcher -n 4 -- python -m pytest tests
     python -m mpidist.launcher -n 4 -- mpidist train jobs/digits_lamb.toml
@@ -226,6 +225,7 @@ def _session_members(sid: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m mpidist.launcher -n N -- CMD`: run CMD on N local ranks; returns its exit code."""
     parser = argparse.ArgumentParser(prog="python -m mpidist.launcher",
                                      description="Start a command on N local MPI ranks.")
     parser.add_argument("-n", "--np", type=int, default=4, help="number of ranks (default 4)")

@@ -3,29 +3,12 @@
     python -m mpidist.simcluster --nodes 2 --ranks-per-node 2 --bandwidth 1gbit -- mpidist info
     scripts/sim_cluster.sh --nodes 3 --ranks-per-node 1 --bandwidth 100mbit -- python job.py
 
-Layout (root only; nothing is added to the machine's own network namespace):
-  1. a hub namespace holding one bridge, the cluster's switch;
-  2. per node a namespace with one veth NIC (`sim0`, address 10.231.0.<i+1>/24) whose other
-     end is a port of the bridge, and its own loopback;
-  3. per-link bandwidth: a `tc tbf` token bucket on both ends of every veth (the node's
-     egress and the switch's egress towards it), so each node has a full-duplex NIC of
-     that rate; tbf adds no latency (`netem`, which would, is not in every kernel).
-Ranks start under Open MPI's `mpiexec`, run in node 0's namespace with a hostfile of the
-node addresses; its rsh launcher gets an agent script that runs `ip netns exec NODE`
-where it would run ssh. Between nodes the ranks talk TCP over `sim0` (btl tcp and the
-runtime's oob restricted to the cluster subnet), within a node shared memory (vader).
-Every node also gets a hostname of its own (a UTS namespace), so MPI, mpidist's node
-detection and the cost model's cache key see distinct hosts.
-
-One-sided windows (the parameter server) between nodes go through Open MPI 4.1's osc
-pt2pt, which refuses MPI_THREAD_MULTIPLE (mpi4py's default level): run such jobs with
-thread_level="serialized" (env MPI4PY_RC_THREAD_LEVEL). osc ucx, which would take the
-windows at THREAD_MULTIPLE, left the parameter server's pushes undelivered over TCP here,
-so the cluster excludes it: window creation fails with Open MPI's message instead.
-
-Everything is torn down on close(): the processes left in the namespaces are killed and
-the namespaces deleted; names carry the owner's pid, so `--cleanup` (and every new
-cluster) removes the leftovers of an owner that died.
+Each node is a namespace with one NIC on a shared bridge, its bandwidth shaped with `tc`, and
+a hostname of its own, so MPI, mpidist's node detection and the cost model's cache key see
+distinct hosts; ranks start under Open MPI's `mpiexec` and talk TCP between nodes and shared
+memory within one. Root only; nothing is added to the machine's own network namespace, and
+everything is torn down on close(). Layout and limits: SimCluster's docstring.
+See docs/BENCHMARKS.md (experiments) and docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -152,6 +135,29 @@ def nic_bytes() -> tuple[int, int] | None:
 
 class SimCluster:
     """N nodes x L ranks as network namespaces; use as a context manager.
+
+    Layout (root only):
+      1. a hub namespace holding one bridge, the cluster's switch;
+      2. per node a namespace with one veth NIC (`sim0`, address 10.231.0.<i+1>/24) whose
+         other end is a port of the bridge, and its own loopback;
+      3. per-link bandwidth: a `tc tbf` token bucket on both ends of every veth (the node's
+         egress and the switch's egress towards it), so each node has a full-duplex NIC of
+         that rate; tbf adds no latency (`netem`, which would, is not in every kernel).
+    Ranks run in node 0's namespace with a hostfile of the node addresses; Open MPI's rsh
+    launcher gets an agent script that runs `ip netns exec NODE` where it would run ssh.
+    Between nodes the ranks talk TCP over `sim0` (btl tcp and the runtime's oob restricted
+    to the cluster subnet), within a node shared memory (vader). Every node also gets a
+    hostname of its own (a UTS namespace).
+
+    One-sided windows (the parameter server) between nodes go through Open MPI 4.1's osc
+    pt2pt, which refuses MPI_THREAD_MULTIPLE (mpi4py's default level): run such jobs with
+    thread_level="serialized" (env MPI4PY_RC_THREAD_LEVEL). osc ucx, which would take the
+    windows at THREAD_MULTIPLE, left the parameter server's pushes undelivered over TCP,
+    so the cluster excludes it: window creation fails with Open MPI's message instead.
+
+    close() kills the processes left in the namespaces and deletes them; names carry the
+    owner's pid, so `--cleanup` (and every new cluster) removes the leftovers of an owner
+    that died.
 
         with SimCluster(nodes=2, ranks_per_node=2, bandwidth="1gbit") as cluster:
             cluster.run(["python", "-m", "mpidist", "info"], timeout=120)
@@ -344,6 +350,7 @@ class SimCluster:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m mpidist.simcluster`: run a command on a simulated cluster; returns its exit code."""
     parser = argparse.ArgumentParser(
         prog="python -m mpidist.simcluster",
         description="Run a command on a simulated cluster of network namespaces (root).")

@@ -4,18 +4,7 @@ plain sequential write of the same bytes (numpy.tofile) to the same filesystem, 
     python -m mpidist.launcher -n 4 -- mpidist bench checkpoint                  # 1 GiB of state
     python -m mpidist.launcher -n 4 -- mpidist bench checkpoint --size-mb 256 --repeat 3
 
-The state is ZeRO-like: --tensors float32 tensors (params, exp_avg, exp_avg_sq of a stack
-of layers) of --size-mb MiB in all, each rank holding its chunk() of every tensor.
-Phases, each repeated --repeat times (best and median reported):
-  1. plain: rank 0 writes all the bytes with numpy.tofile into one file, then fsync
-     (the other ranks wait in a barrier)
-  2. write: CheckpointManager.save on every rank: MPI-IO as --io says (default auto:
-     collective across nodes, independent within one; the ranks in turns where h5py has
-     no MPI or MPIDIST_HDF5_MPIO=0), CRC-32 of every slice, fsync, atomic rename
-  3. read: open_checkpoint (verifies every tensor's CRC, each rank reading its chunk), then
-     every rank reads its chunk() of every tensor, as a resuming ZeRO job does
-ratio = plain seconds / checkpoint write seconds (the target is >= 0.7).
-Writes checkpoint.csv and checkpoint.json under --out (rank 0).
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -60,6 +49,21 @@ def _io_mode(collective: bool, io: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    The state is ZeRO-like: --tensors float32 tensors (params, exp_avg, exp_avg_sq of a stack
+    of layers) of --size-mb MiB in all, each rank holding its chunk() of every tensor.
+    Phases, each repeated --repeat times (best and median reported):
+      1. plain: rank 0 writes all the bytes with numpy.tofile into one file, then fsync
+         (the other ranks wait in a barrier)
+      2. write: CheckpointManager.save on every rank: MPI-IO as --io says (default auto:
+         collective across nodes, independent within one; the ranks in turns where h5py has
+         no MPI or MPIDIST_HDF5_MPIO=0), CRC-32 of every slice, fsync, atomic rename
+      3. read: open_checkpoint (verifies every tensor's CRC, each rank reading its chunk), then
+         every rank reads its chunk() of every tensor, as a resuming ZeRO job does
+    ratio = plain seconds / checkpoint write seconds (the target is >= 0.7).
+    Writes checkpoint.csv and checkpoint.json under --out (rank 0).
+    """
     p = argparse.ArgumentParser(prog="mpidist bench checkpoint", description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", type=float, default=1024.0, help="MiB of state in all (default 1024)")
     p.add_argument("--tensors", type=int, default=24, help="number of tensors (default 24)")

@@ -5,14 +5,7 @@
     mpidist bench ft                                         # ranks 2,3,4 x hidden 256,1024,2048
     mpidist bench ft --ranks 4 --hidden 256,4096 --reps 3
 
-Each measurement is the main job (jobs/digits_lamb.toml, data parallel, LAMB) with two
-hidden layers of the given width, `--steps` steps, fault_tolerance = "shrink", started with
-`mpiexec --with-ft ulfm`; the last rank SIGKILLs itself during the step after `--kill-at`
-(ft.recovery's fault injection). Reported per run: the parameters, the seconds from the
-kill to the first step completed on the survivors ("kill->step", which includes failure
-detection), and from noticing the failure to that step ("recovery": shrink, agreement,
-broadcast of the replica, rebuilding the strategy and the step itself). The runs take
-turns (every configuration once per repetition), medians over repetitions.
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -77,6 +70,17 @@ def _run(ranks: int, hidden: int, args, out: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    Each measurement is the main job (jobs/digits_lamb.toml, data parallel, LAMB) with two
+    hidden layers of the given width, `--steps` steps, fault_tolerance = "shrink", started with
+    `mpiexec --with-ft ulfm`; the last rank SIGKILLs itself during the step after `--kill-at`
+    (ft.recovery's fault injection). Reported per run: the parameters, the seconds from the
+    kill to the first step completed on the survivors ("kill->step", which includes failure
+    detection), and from noticing the failure to that step ("recovery": shrink, agreement,
+    broadcast of the replica, rebuilding the strategy and the step itself). The runs take
+    turns (every configuration once per repetition), medians over repetitions.
+    """
     args = _parse(argv)
     from mpidist.launcher import ft_supported       # only here: the CLI imports benches lazily
     if not ft_supported():

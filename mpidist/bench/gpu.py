@@ -4,21 +4,7 @@ kernels and the allreduce of CuPy buffers.
     mpidist bench gpu                                       # one rank, 64M float32
     python -m mpidist.launcher -n 2 -- mpidist bench gpu --only allreduce
 
-Phases (each timed between stream synchronisations, best of --reps; a phase that fails
-prints its error and the others still run):
-  1. device bandwidth: a CuPy triad a = b + s*c (12 bytes per element, as STREAM counts)
-     and a device-to-device copy (8 bytes per element); rank 0.
-  2. optimizers: each rule's step with the CuPy kernels and the numba.cuda kernels on
-     CuPy arrays (finite=True, as a data-parallel caller passes it), as GB/s of the bytes
-     the step moves (bench.optim.BYTES) and its share of the triad's; PyTorch's
-     AdamW(fused=True) and SGD(foreach=True) on the same tensors when torch sees the GPU.
-  3. compressors: each compressor's encode on a CuPy gradient, as GB/s of float32 input,
-     next to CuPy's astype(float16) and torch.topk (1%) where torch is there; rank 0.
-  4. allreduce: every rank (on its node's GPUs round-robin by local rank) reduces a CuPy
-     buffer and a NumPy buffer of the same size with each algorithm: median seconds, slowest
-     rank (ranks sharing one GPU also share its time slices). A CuPy buffer goes straight
-     to a CUDA-aware MPI, else through host memory; the gap between the columns is that.
-Writes gpu.json under --out (rank 0).
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -60,6 +46,7 @@ def _torch_cuda():
 
 
 def bandwidth(cp, numel: int, reps: int) -> dict:
+    """Phase 1: the device's triad and copy bandwidth, GB/s."""
     triad = cp.ElementwiseKernel("float32 b, float32 c, float32 s", "float32 a",
                                  "a = b + s * c", "mpidist_triad")
     b = cp.random.standard_normal(numel, dtype=cp.float32)
@@ -72,6 +59,7 @@ def bandwidth(cp, numel: int, reps: int) -> dict:
 
 
 def optimizers(cp, numel: int, tensors: int, reps: int, triad_GBps: float | None) -> dict:
+    """Phase 2: each optimizer's step with the CuPy and the numba.cuda kernels (and torch's)."""
     from mpidist.bench.optim import BYTES, CONFIGS, bench_layout, torch_optimizers
     from mpidist.optim import build_optimizer
     layout = bench_layout(numel, tensors)
@@ -101,6 +89,7 @@ def optimizers(cp, numel: int, tensors: int, reps: int, triad_GBps: float | None
 
 
 def compressors(cp, numel: int, reps: int) -> dict:
+    """Phase 3: each compressor's encode on a CuPy gradient, GB/s of float32 input."""
     from mpidist.bench.compress import CONFIGS, bench_layout
     from mpidist.compress import make_compressor
     layout = bench_layout(numel)
@@ -125,6 +114,7 @@ def compressors(cp, numel: int, reps: int) -> dict:
 
 
 def allreduces(cp, comm, sizes: list[int], algorithms: list[str], reps: int) -> dict:
+    """Phase 4 (collective): each algorithm on CuPy and NumPy buffers of each size."""
     from mpidist.collectives import allreduce
     rows = {}
     for nbytes in sizes:
@@ -190,6 +180,24 @@ def _print(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    Phases (each timed between stream synchronisations, best of --reps; a phase that fails
+    prints its error and the others still run):
+      1. device bandwidth: a CuPy triad a = b + s*c (12 bytes per element, as STREAM counts)
+         and a device-to-device copy (8 bytes per element); rank 0.
+      2. optimizers: each rule's step with the CuPy kernels and the numba.cuda kernels on
+         CuPy arrays (finite=True, as a data-parallel caller passes it), as GB/s of the bytes
+         the step moves (bench.optim.BYTES) and its share of the triad's; PyTorch's
+         AdamW(fused=True) and SGD(foreach=True) on the same tensors when torch sees the GPU.
+      3. compressors: each compressor's encode on a CuPy gradient, as GB/s of float32 input,
+         next to CuPy's astype(float16) and torch.topk (1%) where torch is there; rank 0.
+      4. allreduce: every rank (on its node's GPUs round-robin by local rank) reduces a CuPy
+         buffer and a NumPy buffer of the same size with each algorithm: median seconds, slowest
+         rank (ranks sharing one GPU also share its time slices). A CuPy buffer goes straight
+         to a CUDA-aware MPI, else through host memory; the gap between the columns is that.
+    Writes gpu.json under --out (rank 0).
+    """
     from mpidist.sizes import parse_sizes
     ap = argparse.ArgumentParser(prog="mpidist bench gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=64 * 2**20,

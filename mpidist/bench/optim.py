@@ -3,21 +3,7 @@
     python -m mpidist.launcher -n 1 -- mpidist bench optim                  # 10M in 100 tensors
     python -m mpidist.launcher -n 1 -- mpidist bench optim --numel 1000000 --reps 5
 
-Phases (rank 0 alone; other ranks wait in a barrier):
-  1. STREAM triad a = b + s*c in a parallel Numba kernel over numel float32 elements: the
-     memory bandwidth the update kernels are held against (12 bytes per element counted,
-     as STREAM counts them).
-  2. each optimizer's step (Numba kernels, finite=True as a data-parallel caller passes it,
-     and with the local finite check) against a float32 NumPy implementation of the same
-     rule over the same flat buffer; bandwidth = bytes the kernel passes read and write per
-     element (BYTES) * numel / time, and its share of the triad's.
-  3. PyTorch's AdamW(fused=True) and SGD(momentum, foreach=True) on the same tensors, when
-     torch imports.
-  4. first step in a new process with a warm Numba cache, per optimizer (a subprocess,
-     run twice so the second finds the cache warm): import time, first-step wall and CPU
-     time (numba is imported by that first step), next to Numba's own floor: the first
-     call of the cached triad kernel in a process that imported numba already.
-Writes optim.csv, optim.json and optim.png under --out (rank 0).
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -205,6 +191,7 @@ def _first_call(name: str) -> dict:
 
 
 def run(numel: int, tensors: int, reps: int, first_call: bool) -> dict:
+    """Rank 0: every phase of the benchmark; returns the report as a dict."""
     import numba
 
     from mpidist.optim import build_optimizer
@@ -310,6 +297,24 @@ def _write(res: dict, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    Phases (rank 0 alone; other ranks wait in a barrier):
+      1. STREAM triad a = b + s*c in a parallel Numba kernel over numel float32 elements: the
+         memory bandwidth the update kernels are held against (12 bytes per element counted,
+         as STREAM counts them).
+      2. each optimizer's step (Numba kernels, finite=True as a data-parallel caller passes it,
+         and with the local finite check) against a float32 NumPy implementation of the same
+         rule over the same flat buffer; bandwidth = bytes the kernel passes read and write per
+         element (BYTES) * numel / time, and its share of the triad's.
+      3. PyTorch's AdamW(fused=True) and SGD(momentum, foreach=True) on the same tensors, when
+         torch imports.
+      4. first step in a new process with a warm Numba cache, per optimizer (a subprocess,
+         run twice so the second finds the cache warm): import time, first-step wall and CPU
+         time (numba is imported by that first step), next to Numba's own floor: the first
+         call of the cached triad kernel in a process that imported numba already.
+    Writes optim.csv, optim.json and optim.png under --out (rank 0).
+    """
     ap = argparse.ArgumentParser(prog="mpidist bench optim", description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=10_000_000, help="float32 parameters")
     ap.add_argument("--tensors", type=int, default=100, help="tensors in the layout")

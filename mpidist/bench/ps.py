@@ -3,21 +3,7 @@
     python -m mpidist.launcher -n 4 -- mpidist bench ps
     python -m mpidist.launcher -n 4 -- mpidist bench ps --mb 1 --iters 20 --servers 2
 
-  1. throughput: one server rank holds a --mb MiB shard; every other rank is a worker that
-     pushes and pulls it --iters times (ASP, the servers sum the pushes), against the same
-     MPI library's raw loop of Accumulate + Flush + Get + Flush on a plain Win.Allocate
-     window of the same size, in the same run (three alternating rounds, median of the
-     rounds' medians). Target: parameter-server time within 2x.
-  2. scaling: for p = 1.. workers, the per-step communication time of a BSP step (push +
-     pull of a --mb MiB model) with 1 server and with --servers servers, and of a ring
-     allreduce of the same model over p ranks, beside alpha-beta predictions (alpha, beta
-     measured with RMA Get for the servers, with a ping-pong for the ring): one server moves 2pn bytes per step (T = 2a + 2pn b), S servers
-     2pn/S each (T = 2a + 2pn b / S), the ring 2(p-1)n/p per rank (T = 2(p-1)a + 2(p-1)n b / p).
-  3. stragglers: time until the servers have applied --steps steps' worth of updates
-     (BSP: every worker makes every step; ASP/SSP: workers stop when the servers' applied
-     pushes reach steps x W), with simulated compute (--compute s of sleep per step) and a
-     --delay s straggler, persistent (the last worker) or rotating (a random worker per step).
-Writes ps.csv, ps.json and ps.png under --out (rank 0). Step time = slowest worker's median.
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -187,6 +173,24 @@ def _sub(world, members: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+      1. throughput: one server rank holds a --mb MiB shard; every other rank is a worker that
+         pushes and pulls it --iters times (ASP, the servers sum the pushes), against the same
+         MPI library's raw loop of Accumulate + Flush + Get + Flush on a plain Win.Allocate
+         window of the same size, in the same run (three alternating rounds, median of the
+         rounds' medians). Target: parameter-server time within 2x.
+      2. scaling: for p = 1.. workers, the per-step communication time of a BSP step (push +
+         pull of a --mb MiB model) with 1 server and with --servers servers, and of a ring
+         allreduce of the same model over p ranks, beside alpha-beta predictions (alpha, beta
+         measured with RMA Get for the servers, with a ping-pong for the ring): one server moves 2pn bytes per step (T = 2a + 2pn b), S servers
+         2pn/S each (T = 2a + 2pn b / S), the ring 2(p-1)n/p per rank (T = 2(p-1)a + 2(p-1)n b / p).
+      3. stragglers: time until the servers have applied --steps steps' worth of updates
+         (BSP: every worker makes every step; ASP/SSP: workers stop when the servers' applied
+         pushes reach steps x W), with simulated compute (--compute s of sleep per step) and a
+         --delay s straggler, persistent (the last worker) or rotating (a random worker per step).
+    Writes ps.csv, ps.json and ps.png under --out (rank 0). Step time = slowest worker's median.
+    """
     from mpidist.comm import default_communicator, mpi_library
     args = _parse(argv)
     world = default_communicator()

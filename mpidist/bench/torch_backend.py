@@ -4,14 +4,7 @@
     mpidist bench torch_backend --ranks 2 --steps 30 --algorithm ring
     python -m mpidist.launcher -n 2 -- mpidist bench torch_backend   # this world size only
 
-The same script and model for both (the MLP 1024-2048-2048-10, 6.3M parameters, --batch
-synthetic samples per rank, momentum SGD, DDP buckets of --bucket-mb, default DDP's 25 MB),
-one thread per rank; only the process group differs: "mpidist" (the default group, made by
-mpidist.torch.backend.init_process_group) or gloo (a group of the same ranks). The two
-models take turns step by step, each step after a barrier, so a change of the machine's load
-hits both alike. A step is zero_grad, forward, backward (DDP's bucket allreduces overlap it)
-and the optimizer; times are the slowest rank's, medians over the timed steps. Reported:
-samples/s and the ratio of mpidist's to gloo's.
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -119,6 +112,17 @@ def _report(rows, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    The same script and model for both (the MLP 1024-2048-2048-10, 6.3M parameters, --batch
+    synthetic samples per rank, momentum SGD, DDP buckets of --bucket-mb, default DDP's 25 MB),
+    one thread per rank; only the process group differs: "mpidist" (the default group, made by
+    mpidist.torch.backend.init_process_group) or gloo (a group of the same ranks). The two
+    models take turns step by step, each step after a barrier, so a change of the machine's load
+    hits both alike. A step is zero_grad, forward, backward (DDP's bucket allreduces overlap it)
+    and the optimizer; times are the slowest rank's, medians over the timed steps. Reported:
+    samples/s and the ratio of mpidist's to gloo's.
+    """
     args = _parse(argv)
     return drive("torch_backend", args, _worker, _report,
                  ["--steps", str(args.steps), "--warmup", str(args.warmup),

@@ -4,19 +4,7 @@
     mpidist bench train --ranks 1,2 --steps 10 --out results/bench/train
     python -m mpidist.launcher -n 2 -- mpidist bench train            # one world size only
 
-Model and data: an MLP 1024-2048-2048-10 (6.3M parameters), synthetic inputs,
-256 samples per rank, momentum SGD, one BLAS thread per rank. At each world size it times:
-    compute   the DistributedOptimizer step below with its bucket allreduces left out:
-              forward, backward, finiteness agreement, update, zeroing
-    comm      allreduce of the whole gradient buffer in the same buckets, no compute
-    step      a DistributedOptimizer step with buckets overlapping backward (--bucket-mb)
-    step_noov the same with one bucket sent after backward (no overlap)
-(taking turns, medians over the timed steps of the slowest rank) and reports samples/s
-(global batch / step), speed-up over 1 rank, and the hidden fraction of communication,
-(compute + comm - step) / comm, from the medians ("hidden") and as the median over rounds
-of that round's own difference ("paired": steadier on a machine whose speed drifts).
-When PyTorch is importable the same MLP is trained with DDP (gloo, one thread per rank)
-for comparison; otherwise it says so.
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -265,6 +253,22 @@ def _plot(rows, torch_rates, path):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    Model and data: an MLP 1024-2048-2048-10 (6.3M parameters), synthetic inputs,
+    256 samples per rank, momentum SGD, one BLAS thread per rank. At each world size it times:
+        compute   the DistributedOptimizer step below with its bucket allreduces left out:
+                  forward, backward, finiteness agreement, update, zeroing
+        comm      allreduce of the whole gradient buffer in the same buckets, no compute
+        step      a DistributedOptimizer step with buckets overlapping backward (--bucket-mb)
+        step_noov the same with one bucket sent after backward (no overlap)
+    (taking turns, medians over the timed steps of the slowest rank) and reports samples/s
+    (global batch / step), speed-up over 1 rank, and the hidden fraction of communication,
+    (compute + comm - step) / comm, from the medians ("hidden") and as the median over rounds
+    of that round's own difference ("paired": steadier on a machine whose speed drifts).
+    When PyTorch is importable the same MLP is trained with DDP (gloo, one thread per rank)
+    for comparison; otherwise it says so.
+    """
     args = _parse(argv)
     # started by mpiexec/srun itself: measure this world size only (mpiexec can not nest)
     launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))

@@ -3,21 +3,7 @@
     python -m mpidist.launcher -n 4 -- mpidist bench zero                 # ~50M parameters
     python -m mpidist.launcher -n 4 -- mpidist bench zero --params 2e6 --steps 3
 
-Model: an MLP of --layers square layers (width from --params), bf16 parameters and
-gradients, AdamW with fp32 master weights and moments (mixed-precision Adam: 16 bytes per
-parameter in data parallel), fp32 activations and inputs (NumPy multiplies bf16 weights in
-fp32), --batch synthetic samples per rank.
-
-  1. for dp (DistributedOptimizer, bucketed ring allreduce overlapping backward), zero-1,
-     zero-2 and zero-3 in turn: build, --warmup untimed steps, --steps timed steps. Step time
-     is the slowest rank's, median over the steps; memory is what each rank's buffers hold
-     (.nbytes), compared with the ZeRO paper's formulas (16, 4 + 12/N, 2 + 14/N, 16/N
-     bytes per parameter).
-  2. budget: a per-rank budget in bytes per parameter of this model (--budget, default 10)
-     that data parallel's model states alone exceed; every variant's measured peak (model
-     states + work buffers + buffers in flight) is held against it, with the largest model
-     each would fit; zero-3 trains under it (its peak is measured while it trains).
-Writes zero.csv, zero.json and zero.png under --out (rank 0).
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -133,6 +119,24 @@ def _peak(rep) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    Model: an MLP of --layers square layers (width from --params), bf16 parameters and
+    gradients, AdamW with fp32 master weights and moments (mixed-precision Adam: 16 bytes per
+    parameter in data parallel), fp32 activations and inputs (NumPy multiplies bf16 weights in
+    fp32), --batch synthetic samples per rank.
+
+      1. for dp (DistributedOptimizer, bucketed ring allreduce overlapping backward), zero-1,
+         zero-2 and zero-3 in turn: build, --warmup untimed steps, --steps timed steps. Step time
+         is the slowest rank's, median over the steps; memory is what each rank's buffers hold
+         (.nbytes), compared with the ZeRO paper's formulas (16, 4 + 12/N, 2 + 14/N, 16/N
+         bytes per parameter).
+      2. budget: a per-rank budget in bytes per parameter of this model (--budget, default 10)
+         that data parallel's model states alone exceed; every variant's measured peak (model
+         states + work buffers + buffers in flight) is held against it, with the largest model
+         each would fit; zero-3 trains under it (its peak is measured while it trains).
+    Writes zero.csv, zero.json and zero.png under --out (rank 0).
+    """
     from mpidist.comm import Communicator, mpi_library
     from mpidist.zero.memory import paper_bytes_per_param
 

@@ -2,31 +2,11 @@
 
 The loop (engine.loop) runs its body through Resilience.run. When a collective anywhere in it
 raises a process failure (MPI_ERR_PROC_FAILED, or MPI_ERR_REVOKED once a survivor has
-revoked), every survivor:
-
-  1. revokes and shrinks      ulfm.shrink: pending operations fail everywhere, the survivors
-                              agree on a communicator without the dead ranks and get a new
-                              mpidist Communicator (node / inter-node communicators, worker
-                              threads, scratch and the guard's records start afresh)
-  2. agrees on the state      on the step to continue from and where its tensors come from:
-        dp                    every survivor holds a whole replica; they differ by at most the
-                              step in flight (some finished it before the others noticed): then
-                              the newest one is broadcast from the lowest rank holding it
-        zero, "neighbour"     after every step each rank keeps a copy of its shard and sends
-                              one to its right neighbour (the last two steps of each); the
-                              newest step whose every piece survives somewhere is assembled
-        zero, "checkpoint"    the newest checkpoint, read at the new size (the steps since
-                              it are redone); also the fallback when neighbours died together
-  3. rebuilds and continues   the loop body runs again on the new Communicator: strategy and
-                              partition, data split (the global batch stays the same, each
-                              survivor reads more rows), checkpoint hook, metrics writer (the
-                              new rank 0 takes over metrics and checkpoints); the strategy
-                              loads the agreed state before its first step
-
-A failure during a recovery starts another one. Each recovery is logged on rank 0 and listed
-in summary.json under "recoveries": the last step completed before it, the lost ranks (as
-ranks of the job at start), the new world size, the step continued from, the steps redone and
-the seconds from noticing the failure to the first step completed after it.
+revoked), every survivor revokes and shrinks the communicator, agrees on the step to continue
+from and where its tensors come from, rebuilds the strategy on the new Communicator and goes
+on (the steps are in Resilience's docstring). A failure during a recovery starts another
+one. Each recovery is logged on rank 0 and listed in summary.json under "recoveries".
+See docs/CHECKPOINTS.md (surviving a lost rank) and docs/ARCHITECTURE.md (fault tolerance).
 """
 from __future__ import annotations
 
@@ -59,7 +39,33 @@ log = logging.getLogger("mpidist")
 
 class Resilience:
     """The loop's recovery hook. Construction is local; ULFM must be active (same on every
-    rank of a job, so the ConfigError is raised everywhere)."""
+    rank of a job, so the ConfigError is raised everywhere). On a failure every survivor:
+
+      1. revokes and shrinks      ulfm.shrink: pending operations fail everywhere, the
+                                  survivors agree on a communicator without the dead ranks
+                                  and get a new mpidist Communicator (node / inter-node
+                                  communicators, worker threads, scratch and the guard's
+                                  records start afresh)
+      2. agrees on the state      on the step to continue from and where its tensors come from:
+            dp                    every survivor holds a whole replica; they differ by at most
+                                  the step in flight: the newest one is broadcast from the
+                                  lowest rank holding it
+            zero, "neighbour"     after every step each rank keeps a copy of its shard and
+                                  sends one to its right neighbour (the last two steps of
+                                  each); the newest step whose every piece survives somewhere
+                                  is assembled
+            zero, "checkpoint"    the newest checkpoint, read at the new size (the steps since
+                                  it are redone); also the fallback when neighbours died together
+      3. rebuilds and continues   the loop body runs again on the new Communicator: strategy
+                                  and partition, data split (the global batch stays the same,
+                                  each survivor reads more rows), checkpoint hook, metrics
+                                  writer (the new rank 0 takes over metrics and checkpoints);
+                                  the strategy loads the agreed state before its first step
+
+    summary.json's "recoveries" list, per recovery: the last step completed before it, the
+    lost ranks (as ranks of the job at start), the new world size, the step continued from,
+    the steps redone and the seconds from noticing the failure to the first step after it.
+    """
 
     def __init__(self, config: dict, comm):
         if not ulfm.active():

@@ -64,6 +64,7 @@ class Linear(Module):
 
 
 class ReLU(Module):
+    """max(x, 0)."""
     def forward(self, x, train=True):
         self._mask = x > 0
         return x * self._mask

@@ -2,18 +2,10 @@
 
 A module declares its parameters as (name, shape) pairs; the caller lays them out in one flat
 buffer (mpidist.flat) and binds views of it, so parameters and gradients are never copied:
-the optimizer and the allreduce work on the flat buffers, the layers on the views.
-
-    model.param_shapes() -> [(name, shape)]          # layout order = forward order
-    model.bind(param_views, grad_views)              # {name: view}, both from Layout.views
-    model.init_params(rng)                           # writes initial values into the views
-    y = model.forward(x, train=True)
-    dx = model.backward(dy)                          # ACCUMULATES into the grad views
-    model.set_grad_hook(fn)                          # fn(names) once those grads are final
-    model.no_input_grad()                            # inputs are data: skip d(input), return None
-
-Backward runs in reverse layer order, so grad-ready reports arrive from the end of the flat
-buffer towards its start; the DistributedOptimizer launches each gradient bucket from them.
+the optimizer and the allreduce work on the flat buffers, the layers on the views (the
+protocol is listed in Module's docstring). Backward runs in reverse layer order, so
+grad-ready reports arrive from the end of the flat buffer towards its start; the
+DistributedOptimizer launches each gradient bucket from them. See docs/ARCHITECTURE.md (nn).
 """
 from __future__ import annotations
 
@@ -25,7 +17,16 @@ __all__ = ["Module", "Sequential", "materialize"]
 
 
 class Module:
-    """Base class: leaf layers list `_params`; containers list `_children`."""
+    """Base class: leaf layers list `_params`; containers list `_children`.
+
+    model.param_shapes() -> [(name, shape)]          # layout order = forward order
+    model.bind(param_views, grad_views)              # {name: view}, both from Layout.views
+    model.init_params(rng)                           # writes initial values into the views
+    y = model.forward(x, train=True)
+    dx = model.backward(dy)                          # ACCUMULATES into the grad views
+    model.set_grad_hook(fn)                          # fn(names) once those grads are final
+    model.no_input_grad()                            # inputs are data: skip d(input), return None
+    """
 
     def __init__(self):
         self._params: list[tuple[str, tuple[int, ...]]] = []

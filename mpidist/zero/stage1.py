@@ -23,6 +23,7 @@ __all__ = ["Stage1"]
 
 
 class Stage1(ZeroEngine):
+    """ZeRO stage 1: optimizer states sharded; gradients allreduced, parameters allgathered."""
     stage = 1
 
     def _setup(self, rng) -> None:

@@ -169,6 +169,7 @@ class GradBuckets:
 
 
 class Stage2(ZeroEngine):
+    """ZeRO stage 2: optimizer states and gradients sharded (gradient buckets reduce-scattered)."""
     stage = 2
 
     def _setup(self, rng) -> None:

@@ -74,6 +74,7 @@ class ParamGather:
 
 
 class Stage3(ZeroEngine):
+    """ZeRO stage 3: optimizer states, gradients and parameters sharded (layers gathered on use)."""
     stage = 3
 
     def _setup(self, rng) -> None:
