@@ -1,5 +1,5 @@
-"""A small byte-level GPT written in plain PyTorch, trained data parallel with mpidist.torch
-on the repository's sample text, with checkpoints and resume.
+"""A small byte-level GPT written in plain PyTorch (mpidist.torch.models.GPT), trained data
+parallel with mpidist.torch on the repository's sample text, with checkpoints and resume.
 
     python -m mpidist.launcher -n 2 -- python jobs/torch_gpt.py --steps 200
     mpiexec -n 4 python jobs/torch_gpt.py --resume
@@ -18,45 +18,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import mpidist.torch as mt
 from mpidist.checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, Preemption
 from mpidist.comm import Communicator
 from mpidist.torch.checkpoint import load_checkpoint, save_checkpoint
+from mpidist.torch.models import GPT        # plain PyTorch (shared with mpidist bench torch)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention, then a 4x MLP."""
-
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, block=64, dim=256, layers=4, heads=4, vocab=256):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
-        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-        return self.head(self.ln(self.blocks(x)))
 
 
 def batch(text, step, rank, size, block):

@@ -2,22 +2,10 @@
 
     mpidist bench torch                              # runs itself on 1, 2 and 4 ranks
     mpidist bench torch --ranks 2 --steps 20 --variants ddp,mpidist
+    mpidist bench torch --model gpt
     python -m mpidist.launcher -n 2 -- mpidist bench torch    # this world size only
 
-Model: the MLP 1024-2048-2048-10 (6.3M parameters), --batch synthetic samples per rank,
-momentum SGD (lr 0.01, momentum 0.9), one thread per rank (torch and Numba). Variants, each
-its own copy of the model, in the same processes, taking turns step by step (a change of
-the machine's load hits all alike; each step starts after a barrier):
-    torch      plain torch, torch.optim.SGD(foreach=True), no communication
-    ddp        torch.nn.parallel.DistributedDataParallel over gloo, the same SGD
-    mpidist    mpidist.torch.DistributedOptimizer("sgd"): dp, buckets during backward
-    zero2      the same with zero=2: buckets reduce-scattered, momentum sharded, parameters
-               allgathered after the update
-Each step is split into compute (forward and backward: for ddp with its overlapped
-communication), exposed communication (ddp: its forward+backward minus plain torch's in
-the same round; mpidist: the wait in step()) and optimizer; times are the slowest rank's,
-medians over the timed steps. Reported: samples/s and the ratio to ddp (to plain torch on
-one rank, where DDP has nothing to do).
+What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -33,7 +21,9 @@ from mpidist.bench._driver import drive
 __all__ = ["main"]
 
 VARIANTS = ("torch", "ddp", "mpidist", "zero2")
+MODELS = ("mlp", "gpt")
 IN, HIDDEN, CLASSES = 1024, 2048, 10
+BLOCK = 64          # the GPT's context (bytes per window)
 
 
 def _parse(argv):
@@ -41,11 +31,14 @@ def _parse(argv):
     p.add_argument("--ranks", default="1,2,4", help="world sizes to run (comma separated)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--batch", type=int, default=128, help="samples per rank")
+    p.add_argument("--model", default="mlp", choices=MODELS, help="the model trained")
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per rank (default: mlp 128, gpt 16 windows)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="mpidist gradient bucket size")
     p.add_argument("--algorithm", default="auto", help="mpidist allreduce algorithm")
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
-    p.add_argument("--out", default=os.path.join("results", "bench", "torch"), help="output directory")
+    p.add_argument("--out", default=None,
+                   help="output directory (default results/bench/torch, gpt: .../torch_gpt)")
     p.add_argument("--worker", action="store_true", help="measure at the current world size (under mpiexec)")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -53,15 +46,38 @@ def _parse(argv):
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    if args.batch is None:
+        args.batch = 128 if args.model == "mlp" else 16
+    if args.out is None:
+        args.out = os.path.join("results", "bench", "torch" if args.model == "mlp" else "torch_gpt")
     return args
 
 
-def _mlp():
+def _model(name: str):
+    """A fresh copy of the model, the same initial values every time."""
     import torch
     torch.manual_seed(0)
+    if name == "gpt":
+        from mpidist.torch.models import GPT
+        return GPT(block=BLOCK)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(),
                                torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
                                torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _data(name: str, batch: int, rank: int):
+    """(inputs, targets, loss function) of this rank's synthetic batch."""
+    import torch
+    gen = torch.Generator().manual_seed(rank)
+    if name == "gpt":
+        tokens = torch.randint(0, 256, (batch, BLOCK + 1), generator=gen)
+
+        def loss(logits, y):
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return tokens[:, :-1], tokens[:, 1:], loss
+    x = torch.randn(batch, IN, generator=gen)
+    y = torch.randint(0, CLASSES, (batch,), generator=gen)
+    return x, y, torch.nn.functional.cross_entropy
 
 
 def _free_port() -> int:
@@ -83,14 +99,11 @@ def _worker(args) -> dict:
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     comm = Communicator()
-    gen = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(args.batch, IN, generator=gen)
-    y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
-    loss_fn = torch.nn.functional.cross_entropy
+    x, y, loss_fn = _data(args.model, args.batch, comm.rank)
     steps: dict = {}
 
     if "torch" in args.variants:
-        net = _mlp()
+        net = _model(args.model)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, foreach=True)
 
         def plain():
@@ -106,7 +119,7 @@ def _worker(args) -> dict:
         port = comm.comm.bcast(_free_port() if comm.rank == 0 else None, root=0)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-        ddp = torch.nn.parallel.DistributedDataParallel(_mlp())
+        ddp = torch.nn.parallel.DistributedDataParallel(_model(args.model))
         dopt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, foreach=True)
 
         def ddp_step():
@@ -119,7 +132,7 @@ def _worker(args) -> dict:
         steps["ddp"] = ddp_step
 
     def mpidist_variant(zero):
-        mnet = _mlp()
+        mnet = _model(args.model)
         mopt = mt.DistributedOptimizer(mnet, "sgd", lr=0.01, momentum=0.9, comm=comm, zero=zero,
                                        bucket_mb=args.bucket_mb, algorithm=args.algorithm)
 
@@ -147,7 +160,7 @@ def _worker(args) -> dict:
             if i >= args.warmup:
                 times[k].append((total,) + parts)
     out = {"ranks": comm.size, "batch_per_rank": args.batch,
-           "params": sum(p.numel() for p in _mlp().parameters())}
+           "params": sum(p.numel() for p in _model(args.model).parameters())}
     slowest = {}
     for k, rows in times.items():
         a = np.asarray(rows)
@@ -173,7 +186,9 @@ def _worker(args) -> dict:
 def _report(rows, args) -> str:
     head = (f"{'ranks':>5} {'variant':>8} {'step ms':>8} {'compute':>8} {'exp.comm':>8} "
             f"{'optim':>6} {'samples/s':>10} {'ratio':>6}")
-    lines = [f"MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
+    model = f"MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES}" if args.model == "mlp" else \
+        f"GPT (4 layers, dim 256, {BLOCK}-byte windows)"
+    lines = [f"{model} ({rows[0]['params'] / 1e6:.1f}M params), "
              f"batch {args.batch}/rank, momentum SGD, one thread per rank, {args.steps} timed "
              f"steps alternated; ratio: samples/s over ddp's (plain torch's at 1 rank)",
              head, "-" * len(head)]
@@ -191,8 +206,28 @@ def _report(rows, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code.
+
+    Models (--model): "mlp", the MLP 1024-2048-2048-10 (6.3M parameters), --batch synthetic
+    samples per rank (default 128); "gpt", the GPT of jobs/torch_gpt.py (mpidist.torch.models:
+    4 layers, dim 256, byte-level, 3.3M parameters), --batch random windows of 64 bytes per
+    rank (default 16). Momentum SGD (lr 0.01, momentum 0.9), one thread per rank (torch and
+    Numba). Variants, each
+    its own copy of the model, in the same processes, taking turns step by step (a change of
+    the machine's load hits all alike; each step starts after a barrier):
+        torch      plain torch, torch.optim.SGD(foreach=True), no communication
+        ddp        torch.nn.parallel.DistributedDataParallel over gloo, the same SGD
+        mpidist    mpidist.torch.DistributedOptimizer("sgd"): dp, buckets during backward
+        zero2      the same with zero=2: buckets reduce-scattered, momentum sharded, parameters
+                   allgathered after the update
+    Each step is split into compute (forward and backward: for ddp with its overlapped
+    communication), exposed communication (ddp: its forward+backward minus plain torch's in
+    the same round; mpidist: the wait in step()) and optimizer; times are the slowest rank's,
+    medians over the timed steps. Reported: samples/s and the ratio to ddp (to plain torch on
+    one rank, where DDP has nothing to do).
+    """
     args = _parse(argv)
     return drive("torch", args, _worker, _report,
-                 ["--steps", str(args.steps), "--warmup", str(args.warmup),
+                 ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
                   "--algorithm", args.algorithm, "--variants", ",".join(args.variants)])

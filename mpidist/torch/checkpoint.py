@@ -6,7 +6,10 @@ model), `optim/<state>/<name>` (the mpidist optimizer's state of each parameter:
 float32 masters of half precision parameters). Under ZeRO each rank writes the pieces of
 its shard; on load each rank reads the pieces of its own shard, so a checkpoint resumes at
 any rank count and across data parallel and ZeRO stages 1 and 2. The optimizer's step count
-is a scalar. A wrapped torch optimizer is not covered: save its state_dict with torch.save.
+is a scalar, with the optimizer's small extra state (1-bit LAMB's per-tensor ratios). A
+1-bit optimizer's momentum exchange adds its error feedback residuals and counters
+(mpidist.engine.onebit's keys). A wrapped torch optimizer is not covered: save its
+state_dict with torch.save.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import torch
 
 from mpidist.checkpoint import CheckpointManager, open_checkpoint, write_checkpoint
 from mpidist.checkpoint.format import IncompatibleCheckpointError
-from mpidist.engine.strategy import TensorPiece
+from mpidist.state import TensorPiece
+from mpidist.torch.onebit import Onebit
 from mpidist.torch.optimizer import DistributedOptimizer
 from mpidist.torch.tensors import to_numpy
 
@@ -50,6 +54,8 @@ def state_tensors(opt: DistributedOptimizer, model=None) -> dict:
             seg = opt.layout.segments[index]
             tensors[f"optim/{state}/{seg.name}"] = TensorPiece(
                 seg.shape, start - seg.offset, buf[start - a:stop - a])
+    if isinstance(opt.exchange, Onebit):
+        tensors.update(opt.exchange.driver.pieces(opt.comm.rank, opt.comm.size))
     return tensors
 
 
@@ -58,7 +64,10 @@ def save_checkpoint(target, opt: DistributedOptimizer, step: int, *, model=None,
     """Collective: write the model's and optimizer's state; target: a CheckpointManager
     (keeps the newest files) or a file path. Returns the path written."""
     tensors = state_tensors(opt, model)
-    scalars = {"optim_step": int(opt.optimizer.step_count)}
+    scalars = {"optim_step": int(opt.optimizer.step_count),
+               "optim_extra": opt.optimizer.extra_state()}
+    if isinstance(opt.exchange, Onebit):
+        scalars.update(opt.exchange.driver.scalars())
     meta = {"optimizer": opt.optimizer.name, "hyper": opt.optimizer.hyper(),
             "zero": opt.zero, "ranks": opt.comm.size, **(meta or {})}
     if isinstance(target, CheckpointManager):
@@ -97,7 +106,12 @@ def load_checkpoint(source, opt: DistributedOptimizer, *, model=None) -> int:
                 buf[start - a:stop - a] = reader.read(f"optim/{state}/{seg.name}",
                                                       start - seg.offset, stop - start)
         sd["step"] = int(reader.scalars["optim_step"])
+        if "optim_extra" in reader.scalars:
+            sd["extra"] = reader.scalars["optim_extra"]
         opt.optimizer.load_state_dict(sd)
+        if isinstance(opt.exchange, Onebit):
+            opt.exchange.driver.restore(reader, [(0, opt.layout.numel)], opt.comm.rank,
+                                        opt.comm.size)
         if model is not None:
             frozen = {id(p) for p in opt.frozen}
             for name, p in model.named_parameters():

@@ -1,0 +1,133 @@
+"""Gradient buckets launched while backward runs, in the same order on every rank.
+
+`register_post_accumulate_grad_hook` reports each gradient final. A gradient autograd
+handed over as a new tensor (after zero_grad(set_to_none=True)) is copied into its view
+of the flat gradient buffer and checked for Inf/NaN in the same pass; `.grad` is then the
+view again. The flat buffer is cut into buckets from its end (backward reaches the last
+layer first, as in mpidist.engine.distributed.make_buckets); a bucket is launched once all
+its gradients are final and all buckets before it are launched, so every rank launches the
+same buckets in the same order. What a launch does is the exchange's business
+(mpidist.torch.exchange): allreduce, reduce-scatter, or nothing.
+
+Gradient accumulation: with passes_per_step=k, a parameter's gradient is final after its
+k-th backward pass (torch sums them); a parameter that got fewer by step() counts as
+what it has (zero if none, as in DDP).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.engine.distributed import make_buckets
+from mpidist.kernels.grads_cpu import all_finite, copy_finite
+from mpidist.torch.tensors import to_numpy
+
+__all__ = ["GradientBuckets"]
+
+
+class GradientBuckets:
+    """The hooks on params (torch tensors whose `.grad` views storage.gflat / gviews) and
+    the ordered launches of their buckets through exchange.launch(lo, hi) -> handle|None.
+
+    After synchronize(): every bucket launched and waited for, exchange.complete() run, and
+    whether every rank's gradients were finite (collective)."""
+
+    def __init__(self, params, layout, storage, exchange, comm, *, bucket_mb: float,
+                 passes_per_step: int):
+        self.params, self.layout, self.storage = params, layout, storage
+        self.exchange, self.comm, self.passes_per_step = exchange, comm, passes_per_step
+        self.buckets = make_buckets(layout, storage.grads.dtype.itemsize, bucket_mb)
+        self._bucket_of = np.empty(len(layout), np.int64)
+        for b, (lo, hi) in enumerate(self.buckets):
+            for index, _, _ in layout.clip(lo, hi):
+                self._bucket_of[index] = b
+        self._size_of = np.bincount(self._bucket_of, minlength=len(self.buckets))
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(params)]
+        self.new_round()
+
+    def new_round(self) -> None:
+        """Forget this round's gradients (after a step, or zero_grad)."""
+        self._passes = np.zeros(len(self.params), np.int64)
+        self._pending = self._size_of.copy()
+        self._handles: list = []
+        self._finite = True
+        self._synced = None
+        self._errors: list[str] = []
+        self.t_launch = 0.0
+
+    def remove(self) -> None:
+        """Detach from the model's backward."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, i: int):
+        def hook(p):
+            self._grad_final(i, p, from_hook=True)
+        return hook
+
+    def _grad_final(self, i: int, p, from_hook: bool) -> None:
+        """A backward pass has finished p's gradient (or synchronize() finalises it)."""
+        gview, g = self.storage.gviews[i], p.grad
+        k = self.passes_per_step
+        if from_hook:
+            self._passes[i] += 1
+        final = self._passes[i] >= k or not from_hook
+        if self._passes[i] > k:
+            self._errors.append(f"parameter {self.layout.names[i]!r} got more than "
+                                f"backward_passes_per_step={k} gradients before step()")
+            return
+        ok = None
+        if not from_hook:                   # finalised by step(): a partial sum, or nothing
+            if g is None or self._passes[i] == 0:
+                gview.zero_()               # no gradient this round counts as zero (as DDP)
+                ok = True
+            self._passes[i] = k
+            g = p.grad = gview
+        elif g is not gview and g.data_ptr() != gview.data_ptr():
+            if final and g.is_contiguous() and g.dtype == gview.dtype and g.device.type == "cpu":
+                ok = copy_finite(self.storage.gflat[i], to_numpy(g).reshape(-1))
+            else:
+                gview.copy_(g)
+            p.grad = gview
+        if not final:
+            return
+        if ok is None:
+            ok = all_finite(self.storage.gflat[i])
+        self._finite &= bool(ok)
+        self._pending[self._bucket_of[i]] -= 1
+        self._launch()
+
+    def _launch(self) -> None:
+        t0 = time.perf_counter()
+        while len(self._handles) < len(self.buckets) and self._pending[len(self._handles)] == 0:
+            lo, hi = self.buckets[len(self._handles)]
+            self._handles.append(self.exchange.launch(lo, hi))
+        self.t_launch += time.perf_counter() - t0
+
+    def synchronize(self) -> bool:
+        """Launch what is left, agree on finiteness and wait for every bucket; returns
+        whether the summed gradients are finite on every rank (collective)."""
+        if self._synced is not None:
+            return self._synced
+        for i, p in enumerate(self.params):
+            if self._passes[i] < self.passes_per_step:
+                self._grad_final(i, p, from_hook=False)
+        flag = np.array([0.0 if self._finite else 1.0, float(len(self._errors))])
+        c = self.comm
+        req = c.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.SUM) if c.size > 1 else None
+        for b, h in enumerate(self._handles):
+            if h is not None:
+                self.exchange.wait(self.buckets[b], h)
+        if req is not None:
+            req.Wait()
+        self.exchange.complete()
+        if flag[1] > 0:                     # every bucket went out and came back first
+            error = RuntimeError("; ".join(self._errors)) if self._errors else None
+            self.new_round()
+            c.raise_if_any(error)
+        self._synced = bool(flag[0] == 0.0)
+        return self._synced
