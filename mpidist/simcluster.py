@@ -7,8 +7,7 @@ Each node is a namespace with one NIC on a shared bridge, its bandwidth shaped w
 a hostname of its own, so MPI, mpidist's node detection and the cost model's cache key see
 distinct hosts; ranks start under Open MPI's `mpiexec` and talk TCP between nodes and shared
 memory within one. Root only; nothing is added to the machine's own network namespace, and
-everything is torn down on close(). Layout and limits: SimCluster's docstring.
-See docs/BENCHMARKS.md (experiments) and docs/ARCHITECTURE.md.
+everything is torn down on close(). Layout and limits: SimCluster's; docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -155,9 +154,8 @@ class SimCluster:
     windows at THREAD_MULTIPLE, left the parameter server's pushes undelivered over TCP,
     so the cluster excludes it: window creation fails with Open MPI's message instead.
 
-    close() kills the processes left in the namespaces and deletes them; names carry the
-    owner's pid, so `--cleanup` (and every new cluster) removes the leftovers of an owner
-    that died.
+    close() kills the processes left in the namespaces and deletes them; names carry the owner's
+    pid, so `--cleanup` (and every new cluster) removes the leftovers of an owner that died.
 
         with SimCluster(nodes=2, ranks_per_node=2, bandwidth="1gbit") as cluster:
             cluster.run(["python", "-m", "mpidist", "info"], timeout=120)

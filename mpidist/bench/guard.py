@@ -49,6 +49,7 @@ def measure(comm, nbytes: int, calls: int, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line; returns the exit code."""
     parser = argparse.ArgumentParser(prog="mpidist bench guard", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("8,1K"),
                         help="message sizes in bytes (default 8,1K)")

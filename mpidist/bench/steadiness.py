@@ -2,11 +2,10 @@
 through the run.
 
 On a shared host, or a VM whose neighbours take memory bandwidth, plain memory traffic
-speeds up and slows down by itself, and every collective and matmul moves with it (here a
-single-core 64 MiB copy on an idle VM took 5.6 to 10.8 ms within 40 s). The speed at which
-data moves between the ranks' caches changes on its own as well, by 3x within seconds on
-this VM while the copy stays put (costmodel.machine_state). A benchmark that prints this
-drift beside its figures says which differences it can resolve: two figures taken at
+speeds up and slows down by itself, and every collective and matmul moves with it. The speed
+at which data moves between the ranks' caches changes on its own as well, even while a copy
+stays put (timing.machine_state; figures in docs/PERFORMANCE.md). A benchmark that prints
+this drift beside its figures says which differences it can resolve: two figures taken at
 different points of the run that differ by less than the drift say nothing about the code.
 """
 from __future__ import annotations
@@ -16,7 +15,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives.tuning.costmodel import STATE_BYTES, machine_state
+from mpidist.collectives.tuning.timing import STATE_BYTES, machine_state
 
 __all__ = ["Steadiness", "REFERENCE_BYTES"]
 

@@ -1,22 +1,13 @@
 """algorithm="auto": a lookup in a decision table, or a short built-in rule without one.
 
-The table is a JSON file (written by `mpidist tune`, readable and editable by hand) that
-lists, per communicator layout (ranks, nodes, ranks per node), the algorithm for each
-range of message sizes, in bytes reduced (half precision counts at its float32 width):
-
-    {"format": "mpidist allreduce table 1",
-     "layouts": [{"ranks": 4, "nodes": 1, "ranks_per_node": 4,
-                  "sizes": [{"upto": "64K", "algorithm": "native"},
-                            {"upto": null, "algorithm": "shm"}]}]}
-
-A size goes to the first row whose `upto` (inclusive) holds it; past the last `upto`, the
-last row. Other keys (the tuner's measurements) are notes and are ignored. The table in
-use is use_table()'s ([parallel] algorithm_table in a job), else env
+The table (written by `mpidist tune`, a JSON file readable and editable by hand; its format
+is in Table's docstring) maps a communicator layout and a message size to an algorithm. The
+table in use is use_table()'s ([parallel] algorithm_table in a job), else env
 MPIDIST_ALGORITHM_TABLE (read at the first auto call), else none. Without one, or for a
-layout it does not list, `rule` decides. `choose` is pure: no probe and no timing run
-inside a call, and processes with the same table run the same algorithm, hence produce
-the same bits. Under fault tolerance (ULFM) `shm` is never chosen (shm.usable says no; a
-table's `shm` gives way to the rule).
+layout it does not list, `rule` decides. `choose` is pure: no probe and no timing run inside
+a call, and processes with the same table run the same algorithm, hence produce the same
+bits. Under fault tolerance (ULFM) `shm` is never chosen (a table's `shm` gives way to the
+rule). See docs/BENCHMARKS.md (tuning auto) and docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 
@@ -67,7 +58,20 @@ def _key(layout: dict) -> tuple:
 
 
 class Table:
-    """A checked decision table: layout -> (inclusive upper ends, algorithms)."""
+    """A checked decision table: layout -> (inclusive upper ends, algorithms).
+
+    The table is a JSON file (written by `mpidist tune`, readable and editable by hand) that
+    lists, per communicator layout (ranks, nodes, ranks per node), the algorithm for each
+    range of message sizes, in bytes reduced (half precision counts at its float32 width):
+
+        {"format": "mpidist allreduce table 1",
+         "layouts": [{"ranks": 4, "nodes": 1, "ranks_per_node": 4,
+                      "sizes": [{"upto": "64K", "algorithm": "native"},
+                                {"upto": null, "algorithm": "shm"}]}]}
+
+    A size goes to the first row whose `upto` (inclusive) holds it; past the last `upto`, the
+    last row. Other keys (the tuner's measurements) are notes and are ignored.
+    """
 
     def __init__(self, data, path: str = "<table>"):
         """ValueError naming the file and the entry for anything malformed."""

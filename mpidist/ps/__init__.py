@@ -1,6 +1,7 @@
 """Parameter server over MPI one-sided communication: BSP, ASP and SSP(s) consistency."""
 from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler, format_histogram
-from mpidist.ps.server import ParameterServer, ServerStats, ShardServer, SumUpdate, place_servers
+from mpidist.ps.server import ParameterServer, place_servers
+from mpidist.ps.shard import ServerStats, ShardServer, SumUpdate
 from mpidist.ps.worker import Worker
 
 __all__ = ["ParameterServer", "ShardServer", "ServerStats", "SumUpdate", "Worker",

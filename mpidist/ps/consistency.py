@@ -1,20 +1,11 @@
 """Consistency models of the parameter server: BSP, ASP and SSP(s), the staleness record,
 and the straggler option.
 
-- BSP (bulk synchronous): a server applies an update only when every worker has pushed its
-  gradient of the current step, and a worker pulls step t's parameters only once version t
-  is published, so every update uses every worker's gradient of that step (staleness 0).
-- ASP (asynchronous): a server applies whatever has been pushed as soon as it arrives;
-  workers never wait. A push's staleness is the number of updates the server applied
-  between the worker's pull and the update that includes the push.
-- SSP(s) (stale synchronous parallel, Ho et al. 2013): like ASP, but a worker at clock c
-  (its number of completed pushes) waits until every worker's clock, as counted by every
-  server in its window (the pushes the server has *applied*), is at least c - s. Reading
-  applied counts rather than pushed ones also guarantees SSP's read condition: the
-  parameters pulled afterwards contain every worker's updates older than s steps.
-
-The clocks live in the servers' windows and are read with Get_accumulate(NO_OP) (atomic per
-element); this module holds the pure decisions and the record, `worker.py` the reads.
+BSP applies an update only with every worker's gradient of the step (staleness 0), ASP
+whatever has arrived, SSP(s) (Ho et al. 2013) lets a worker run at most s steps ahead of the
+slowest (Consistency's docstring says exactly how). The clocks live in the servers' windows
+and are read with Get_accumulate(NO_OP) (atomic per element); this module holds the pure
+decisions and the record, `worker.py` the reads. See docs/ARCHITECTURE.md (ps).
 """
 from __future__ import annotations
 
@@ -30,7 +21,20 @@ MODELS = ("bsp", "asp", "ssp")
 
 @dataclass(frozen=True)
 class Consistency:
-    """Which model, and for SSP the bound s (a worker runs at most s steps ahead)."""
+    """Which model, and for SSP the bound s (a worker runs at most s steps ahead).
+
+    - BSP (bulk synchronous): a server applies an update only when every worker has pushed its
+      gradient of the current step, and a worker pulls step t's parameters only once version t
+      is published, so every update uses every worker's gradient of that step (staleness 0).
+    - ASP (asynchronous): a server applies whatever has been pushed as soon as it arrives;
+      workers never wait. A push's staleness is the number of updates the server applied
+      between the worker's pull and the update that includes the push.
+    - SSP(s) (stale synchronous parallel, Ho et al. 2013): like ASP, but a worker at clock c
+      (its number of completed pushes) waits until every worker's clock, as counted by every
+      server in its window (the pushes the server has *applied*), is at least c - s. Reading
+      applied counts rather than pushed ones also guarantees SSP's read condition: the
+      parameters pulled afterwards contain every worker's updates older than s steps.
+    """
     model: str = "bsp"
     staleness: int = 0
 

@@ -3,23 +3,9 @@
 Both windows are created with `MPI.Win.Allocate` over the whole parameter-server
 communicator; only server ranks expose memory in the data window. Every rank opens one
 passive-target epoch (`Lock_all`) for the life of the windows and completes its operations
-with `Flush`, so a worker moves data without any cooperation from the server's code.
-
-Per server, the int64 control window holds (indices below):
-    ABORT            rank + 1 of a rank that failed (every rank has this word)
-    TICKET           epoch << 32 | entries: pushes that took a ticket in the open epoch
-    VERSION          updates published (parameter buffer VERSION & 1 is current)
-    WRITING          the version being written now (a reader of version v retries if > v + 1)
-    DONE0, DONE1     pushes completed into accumulation slot 0 / 1
-    PAUSE            (first server) 1 once any rank asked every worker to pause
-    HALT             (first server, BSP) the clock at which every worker pauses (0: none)
-    CNT0[W], CNT1[W] pushes per worker in slot 0 / 1
-    APPLIED[W]       pushes per worker applied to the parameters (the SSP clocks)
-    FIN[W]           1 + the worker's step count once it has finished (0 while running)
-    PAUSED[W]        1 + the worker's step count while it pauses at a checkpoint (0 running)
-and the data window (the parameter dtype) holds, over the server's chunk() shard of c
-elements: PARAM0, PARAM1 (double-buffered parameters) and ACC0, ACC1 (double-buffered
-gradient accumulation slots), c elements each.
+with `Flush`, so a worker moves data without any cooperation from the server's code. The
+words of the control window are listed in CtrlLayout's docstring.
+See docs/ARCHITECTURE.md (ps).
 """
 from __future__ import annotations
 
@@ -40,6 +26,7 @@ MPI_DTYPES = {np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE}
 
 
 def pack_ticket(epoch: int, entries: int) -> int:
+    """The TICKET word: epoch << 32 | entries."""
     return (int(epoch) << _EPOCH_SHIFT) | int(entries)
 
 
@@ -50,7 +37,24 @@ def unpack_ticket(word: int) -> tuple[int, int]:
 
 
 class CtrlLayout:
-    """Offsets of the per-worker arrays in a server's control window, for W workers."""
+    """Offsets of the per-worker arrays in a server's control window, for W workers.
+
+    Per server, the int64 control window holds (indices below):
+        ABORT            rank + 1 of a rank that failed (every rank has this word)
+        TICKET           epoch << 32 | entries: pushes that took a ticket in the open epoch
+        VERSION          updates published (parameter buffer VERSION & 1 is current)
+        WRITING          the version being written now (a reader of version v retries if > v + 1)
+        DONE0, DONE1     pushes completed into accumulation slot 0 / 1
+        PAUSE            (first server) 1 once any rank asked every worker to pause
+        HALT             (first server, BSP) the clock at which every worker pauses (0: none)
+        CNT0[W], CNT1[W] pushes per worker in slot 0 / 1
+        APPLIED[W]       pushes per worker applied to the parameters (the SSP clocks)
+        FIN[W]           1 + the worker's step count once it has finished (0 while running)
+        PAUSED[W]        1 + the worker's step count while it pauses at a checkpoint (0 running)
+    and the data window (the parameter dtype) holds, over the server's chunk() shard of c
+    elements: PARAM0, PARAM1 (double-buffered parameters) and ACC0, ACC1 (double-buffered
+    gradient accumulation slots), c elements each.
+    """
 
     def __init__(self, workers: int):
         self.workers = W = int(workers)

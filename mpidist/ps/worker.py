@@ -1,18 +1,9 @@
 """The worker side of the parameter server: pull parameters with `Get`, push gradients with
 `Accumulate(SUM)`, all under the passive-target epoch the windows keep open, so a worker
-never waits for the server's code to move its data.
-
-Push (one round trip per phase, all servers at once):
-  1. take a ticket: Fetch_and_op(+1) on every server's TICKET word; the epoch in the old
-     value names the accumulation slot (epoch & 1) this push must go to;
-  2. Accumulate the gradient shard into that slot and +1 into my per-worker count; Flush;
-  3. Accumulate +1 into the slot's DONE counter: the server drains a slot only when DONE
-     equals the tickets it closed, so a push lands in exactly one update.
-Pull: wait as the consistency model says; read VERSION, Get that parameter buffer, read
-WRITING; retry a server that had started to overwrite the buffer meanwhile (seqlock).
-Pause (checkpoints): after a push, stop_here() decides whether this worker stops at this
-step boundary; a paused worker sets PAUSED on every server and neither pulls nor pushes
-until resume() (see server.py for the protocol).
+never waits for the server's code to move its data. A push takes a ticket that names the
+accumulation slot it lands in, so it lands in exactly one update; a pull retries a server
+that had started to overwrite its buffer (a seqlock). The steps are in Worker's docstring.
+See docs/ARCHITECTURE.md (ps).
 """
 from __future__ import annotations
 
@@ -63,6 +54,18 @@ class Worker:
 
     index: this worker's number among the W workers; servers: server ranks in shard order;
     shards: chunk() (offset, count) of each server over the n flat parameters.
+
+    Push (one round trip per phase, all servers at once):
+      1. take a ticket: Fetch_and_op(+1) on every server's TICKET word; the epoch in the old
+         value names the accumulation slot (epoch & 1) this push must go to;
+      2. Accumulate the gradient shard into that slot and +1 into my per-worker count; Flush;
+      3. Accumulate +1 into the slot's DONE counter: the server drains a slot only when DONE
+         equals the tickets it closed, so a push lands in exactly one update.
+    Pull: wait as the consistency model says; read VERSION, Get that parameter buffer, read
+    WRITING; retry a server that had started to overwrite the buffer meanwhile (seqlock).
+    Pause (checkpoints): after a push, stop_here() decides whether this worker stops at this
+    step boundary; a paused worker sets PAUSED on every server and neither pulls nor pushes
+    until resume() (see server.py and shard.py for the protocol).
     """
 
     def __init__(self, wins: Windows, *, index: int, workers: int, servers: list[int],

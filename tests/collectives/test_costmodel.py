@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from mpidist.collectives import allreduce, select
-from mpidist.collectives.tuning import costmodel, explain
-from mpidist.collectives.tuning.costmodel import CostModel, coefficients
+from mpidist.collectives.tuning import costmodel, explain, fit, timing
+from mpidist.collectives.tuning.costmodel import CostModel
+from mpidist.collectives.tuning.fit import coefficients
 from mpidist.sizes import format_size, parse_size
 
 
@@ -27,7 +28,7 @@ def test_fit_recovers_alpha_and_beta():
     sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
     a, b, g = coefficients("ring", p)
     times = [a * alpha + b * n * beta + g * n * gamma for n in sizes]
-    fa, fb = costmodel._fit("ring", p, gamma, sizes, times)
+    fa, fb = fit.fit_least_squares("ring", p, gamma, sizes, times)
     assert math.isclose(fa, alpha, rel_tol=1e-6) and math.isclose(fb, beta, rel_tol=1e-6)
 
 
@@ -46,7 +47,7 @@ def test_pieces_run_through_the_probe_points():
         return a * al + b * n * be + g * n * gamma
 
     times = [cost(n) for n in sizes]
-    pieces = costmodel._pieces("ring", p, gamma, sizes, times)
+    pieces = fit.fit_pieces("ring", p, gamma, sizes, times)
     assert [pc[0] for pc in pieces] == sizes[1:]
     for pc in pieces:
         al, be = near if pc[0] <= brk else far
@@ -65,7 +66,7 @@ def test_pieces_follow_a_time_that_grows_faster_than_the_bytes():
     p, gamma = 2, 0.0
     sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
     times = [0.12e-3, 2.21e-3, 27.16e-3, 25e-3]              # noise: 256 MiB below 64 MiB
-    pieces = costmodel._pieces("native", p, gamma, sizes, times)
+    pieces = fit.fit_pieces("native", p, gamma, sizes, times)
     m = CostModel({"world": {"p": p, "gamma": gamma, "fits": {"native": [0.0, 0.0]},
                              "pieces": {"native": pieces}}}, 1, 1)
     for n, t in zip(sizes, times):
@@ -79,10 +80,10 @@ def test_round_order_is_shuffled_and_agreed():
     """Every round runs every call once; the orders are reproducible from the seed (so
     every rank runs the same one) and no call always follows the same other call."""
     m, rounds = 6, 40
-    orders = [costmodel.round_order(m, i, seed=3) for i in range(rounds)]
+    orders = [timing.round_order(m, i, seed=3) for i in range(rounds)]
     assert all(sorted(o) == list(range(m)) for o in orders)
-    assert orders == [costmodel.round_order(m, i, seed=3) for i in range(rounds)]
-    assert orders != [costmodel.round_order(m, i, seed=4) for i in range(rounds)]
+    assert orders == [timing.round_order(m, i, seed=3) for i in range(rounds)]
+    assert orders != [timing.round_order(m, i, seed=4) for i in range(rounds)]
     for k in range(m):
         before = {o[o.index(k) - 1] for o in orders if o.index(k) > 0}
         assert len(before) > 1, f"call {k} always timed after call {before}"
@@ -94,7 +95,7 @@ def test_time_rounds_times_every_call(comm):
     def bump(name):
         counts[name] += 1
 
-    times = costmodel.time_rounds(comm, {n: (lambda n=n: bump(n)) for n in counts}, 5, seed=1)
+    times = timing.time_rounds(comm, {n: (lambda n=n: bump(n)) for n in counts}, 5, seed=1)
     assert counts == {"a": 5, "b": 5}
     assert set(times) == {"a", "b"} and all(t.shape == (5,) and (t >= 0).all()
                                             for t in times.values())

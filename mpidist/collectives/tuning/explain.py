@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from mpidist.collectives import select
-from mpidist.collectives.tuning import costmodel
+from mpidist.collectives.tuning import costmodel, timing
 from mpidist.comm import Communicator, as_communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
@@ -27,7 +27,7 @@ def explain(sizes, comm=None, *, reps: int = 3, refit: bool = False) -> list[dic
         pick, picked = model.choose(nbytes), select.choose(c, nbytes)
         modelled = model.candidates() if c.size > 1 else ["native"]
         names = modelled + ([picked] if picked not in modelled else [])
-        measured = costmodel.measure_all(c, names, nbytes, reps)
+        measured = timing.measure_all(c, names, nbytes, reps)
         rows.extend({"nbytes": int(nbytes), "algorithm": alg,
                      "predicted": model.predict(alg, nbytes) if alg in modelled else None,
                      "measured": measured[alg],

@@ -6,7 +6,7 @@
 
 At each size of the ladder the cost model (probed, or loaded from its cache) shortlists
 the algorithms predicted within MARGIN of its best; the built-in rule's choice always
-joins. The shortlist is timed in interleaved rounds (costmodel.measure_all: the slowest
+joins. The shortlist is timed in interleaved rounds (timing.measure_all: the slowest
 rank's time, the same numbers on every rank) and the fastest wins its size, which covers
 the sizes up to the geometric middle between it and the next size of the ladder. Rank 0
 writes the table (select.FORMAT), the timings kept beside each layout as notes; an existing
@@ -22,7 +22,7 @@ import os
 import time
 
 from mpidist.collectives import select
-from mpidist.collectives.tuning import costmodel
+from mpidist.collectives.tuning import costmodel, timing
 from mpidist.comm import Communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
@@ -51,7 +51,7 @@ def tune(comm, model, sizes, reps: int = 5) -> dict:
             names, times = ["native"], {"native": 0.0}
         else:
             names = shortlist(model, comm, nbytes)
-            times = costmodel.measure_all(comm, names, nbytes, reps, seed=k)
+            times = timing.measure_all(comm, names, nbytes, reps, seed=k)
         pick = min(names, key=lambda a: (times[a], names.index(a)))
         measured.append({"bytes": nbytes, "pick": pick, "model": model.choose(nbytes),
                          "rule": select.rule(comm, nbytes),

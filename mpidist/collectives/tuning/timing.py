@@ -1,0 +1,94 @@
+"""Timing allreduce calls the way the probe, the tuner and the benchmark all do.
+
+Every call goes through the public allreduce(); the calls run in interleaved rounds in an
+order shuffled per round (the same on every rank), each after a barrier, and a point is the
+slowest rank's time, so every rank holds the same numbers. machine_state is the reference
+that tells whether two timings were taken on the same machine (cache-to-cache speed between
+the ranks moves on a shared host). See docs/ARCHITECTURE.md (collectives, tuning).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from mpidist.collectives.core import allreduce
+
+__all__ = ["round_order", "time_rounds", "measure_all", "measure", "machine_state",
+           "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
+
+STATE_BYTES = 256 << 10            # the machine_state reference: in the caches, between ranks
+STATE_TOLERANCE = 1.25             # a larger move of machine_state: another machine (25%: the
+                                   # model's own error target)
+
+
+def round_order(m: int, round_index: int, seed: int) -> list[int]:
+    """The order in which m timed calls run in one round: a permutation shuffled by
+    (seed, round), the same on every rank that passes the same seed."""
+    order = list(range(m))
+    random.Random(seed * 1_000_003 + round_index).shuffle(order)
+    return order
+
+
+def time_rounds(comm, calls: dict, reps: int, *, seed: int = 0, setup=None) -> dict:
+    """{name: seconds per round (array of reps)}: each round runs every call once, in the
+    round_order of that round, each after a barrier, and keeps the slowest rank's time.
+    Shuffled rounds mean no call is always timed right after another (a call right after
+    the shared-memory algorithm runs slower, for one) and a burst of load hits all alike.
+    setup(), if given, runs before each call, untimed."""
+    names = list(calls)
+    times = np.empty((reps, len(names)))
+    for i in range(reps):
+        for j in round_order(len(names), i, seed):
+            if setup is not None:
+                setup()
+            comm.comm.Barrier()
+            t0 = time.perf_counter()
+            calls[names[j]]()
+            times[i, j] = time.perf_counter() - t0
+    comm.comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return {a: times[:, j] for j, a in enumerate(names)}
+
+
+def measure_all(comm, algorithms, nbytes: int, reps: int = 3, dtype=np.float32,
+                seed: int = 0) -> dict[str, float]:
+    """Median over reps interleaved rounds (time_rounds) of the slowest rank's seconds for
+    one public allreduce() of nbytes, per algorithm, after one warm-up call each."""
+    x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
+    calls = {a: (lambda a=a: allreduce(x, algorithm=a, comm=comm)) for a in algorithms}
+    for call in calls.values():
+        call()                                           # warm-up: scratch, windows
+    times = time_rounds(comm, calls, reps, seed=seed, setup=lambda: x.fill(1))
+    return {a: float(np.median(t)) for a, t in times.items()}
+
+
+def measure(comm, algorithm: str, nbytes: int, reps: int = 3, dtype=np.float32) -> float:
+    """measure_all for one algorithm."""
+    return measure_all(comm, [algorithm], nbytes, reps, dtype)[algorithm]
+
+
+def machine_state(comm: MPI.Comm, reps: int = 15) -> float:
+    """Collective: seconds of one MPI_Allreduce of STATE_BYTES (median of reps, each after a
+    barrier, slowest rank), the same on every rank.
+
+    How fast data moves between the ranks' caches right now. On a shared VM this can change
+    by a few times within seconds while memory bandwidth does not (docs/PERFORMANCE.md), and
+    every time the model holds for sizes that live in the caches moves with it. The probe
+    stores it with the model, so a later run can tell whether it measures the machine the
+    model was fitted on."""
+    x = np.ones(STATE_BYTES // 4, np.float32)
+    times = np.empty(reps)
+    for i in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+        times[i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, MPI.MAX)
+    return float(np.median(times))
+
+
+def state_held(samples) -> bool:
+    """Whether machine_state samples stayed within STATE_TOLERANCE of one another."""
+    return max(samples) <= STATE_TOLERANCE * min(samples)
