@@ -1,6 +1,7 @@
 """The array module of the data (NumPy or CuPy), found without importing CuPy needlessly.
 
 Importing this module works on a machine with neither CuPy nor a GPU.
+See docs/ARCHITECTURE.md (foundation).
 """
 import functools
 import sys

@@ -10,6 +10,7 @@ once for both devices.
 Integer arithmetic stays in explicitly typed unsigned values (no mixed signed/unsigned
 promotion to float, no 64-bit overflow), which keeps the scalar functions exact under
 Numba CPU, numba.cuda and the CUDA simulator alike.
+See docs/ARCHITECTURE.md (compression).
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ Reductions and the top-k selection passes use CuPy's own kernels (a ReductionKer
 max |x|, an ElementwiseKernel for the |x| >= threshold mask, nonzero, cumsum), which are
 faster than anything hand-written here; written over the array module of the data, they
 run on NumPy arrays under the simulator too.
+See docs/ARCHITECTURE.md (compression).
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ in the same pass, so the finiteness of a step costs no pass of its own. Both wor
 raw bits (uint32 for float32, uint16 for float16/bfloat16) with the dtype's exponent mask:
 an exponent field of all ones is an Inf or a NaN. An integer max vectorises; a float test
 does not.
+See docs/ARCHITECTURE.md (PyTorch models).
 """
 import numpy as np
 from numba import njit

@@ -1,2 +1,5 @@
-"""mpidist: MPI-native distributed training."""
+"""mpidist: MPI-native distributed training.
+
+See docs/ARCHITECTURE.md.
+"""
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 Subcommands import their modules lazily, so `mpidist run` starts mpiexec without
 initialising MPI itself, and `mpidist --help` is instant.
+See docs/ARCHITECTURE.md (benchmarks and CLI).
 """
 from __future__ import annotations
 

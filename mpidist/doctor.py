@@ -8,6 +8,8 @@ gathered facts to (verdict, what was found, what to do). The exit code is 1 on e
 when any check fails, so a batch script can stop before the real job:
 
     srun mpidist doctor && srun mpidist train job.toml
+
+See docs/ARCHITECTURE.md (benchmarks and CLI).
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ table of (name, offset, shape) segments.
 One buffer lets a kernel update all tensors in one pass, a bucket be a contiguous range, and
 a ZeRO / parameter-server / checkpoint shard be a plain [offset, offset+count) slice from
 `chunk()`. Per-tensor (layer-wise) quantities are segmented reductions over the table.
+See docs/ARCHITECTURE.md (foundation).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Byte sizes as people write them: '64K' <-> 65536, for the command lines and the
-allreduce decision table."""
+allreduce decision table.
+See docs/ARCHITECTURE.md (foundation)."""
 from __future__ import annotations
 
 import argparse

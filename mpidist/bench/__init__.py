@@ -1,1 +1,4 @@
-"""Benchmarks: `mpidist bench NAME` runs `mpidist.bench.NAME.main(argv)`."""
+"""Benchmarks: `mpidist bench NAME` runs `mpidist.bench.NAME.main(argv)`.
+
+See docs/BENCHMARKS.md.
+"""

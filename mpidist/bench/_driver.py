@@ -1,6 +1,7 @@
 """The driver the torch benchmarks share: alone, a benchmark starts one MPI job per rank
 count, each running its own worker (`mpidist bench NAME --worker --json PATH ...`), and
-reports the rows it collects; under mpiexec (or with --worker) it is that worker."""
+reports the rows it collects; under mpiexec (or with --worker) it is that worker.
+See docs/BENCHMARKS.md."""
 from __future__ import annotations
 
 import json

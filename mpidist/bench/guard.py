@@ -6,6 +6,8 @@ shuffled rounds of `--calls` calls each; the figure is the median over rounds of
 slowest rank's time per call. Run it under mpiexec or the launcher:
 
     python -m mpidist.launcher -n 2 -- mpidist bench guard
+
+See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 

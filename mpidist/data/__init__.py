@@ -1,4 +1,7 @@
-"""Data: HDF5 datasets read per rank with parallel HDF5, a seeded distributed sampler, importers."""
+"""Data: HDF5 datasets read per rank with parallel HDF5, a seeded distributed sampler, importers.
+
+See docs/ARCHITECTURE.md (data).
+"""
 from mpidist.data.datasets import ArrayDataset, H5Dataset, H5TextDataset, open_dataset
 from mpidist.data.importers import import_digits, import_text, make_synthetic, split_indices, synthetic_arrays
 from mpidist.data.loader import build_datasets, iterate

@@ -8,6 +8,7 @@ File layout (written by mpidist.data.importers):
 
 A dataset answers `read(indices) -> (x, y)` for sample indices in any order; rows are fetched
 in increasing order (what HDF5 selections need) and put back in the asked order.
+See docs/ARCHITECTURE.md (data).
 """
 from __future__ import annotations
 

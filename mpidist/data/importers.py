@@ -4,6 +4,7 @@ classification set of any size, and a byte-level corpus from any text file.
 Each writer is collective over comm: rank 0 writes (to a temporary name, then renames), the
 others wait, and a failure on rank 0 is raised on every rank. A file already written with the
 same arguments is reused (its `params` attribute records them).
+See docs/ARCHITECTURE.md (data).
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""From the [data] config section to datasets, and the batches of one epoch on this rank."""
+"""From the [data] config section to datasets, and the batches of one epoch on this rank.
+
+See docs/ARCHITECTURE.md (data).
+"""
 from __future__ import annotations
 
 import os

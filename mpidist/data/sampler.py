@@ -9,6 +9,7 @@ used sample exactly once.
 The last partial batch: drop_last=True drops it (n // batch_size batches); drop_last=False
 keeps it short, with no padding and no repeated samples (some ranks may get zero rows of it;
 losses are normalised by the true global count, so its gradient is still exact).
+See docs/ARCHITECTURE.md (data).
 """
 from __future__ import annotations
 

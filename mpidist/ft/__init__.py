@@ -8,4 +8,5 @@
 
 Only ulfm is imported by the layers below the engine (collectives leave the shared-memory
 allreduce out in FT mode); recovery sits at the engine's level.
+See docs/ARCHITECTURE.md (fault tolerance).
 """

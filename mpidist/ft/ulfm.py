@@ -10,6 +10,7 @@ the collective. Shrink() then gives the survivors' communicator, agreed among th
 What ULFM does not cover: one-sided RMA (shared-memory windows, the parameter server) and
 MPI-IO, so in FT mode `auto` never picks the `shm` allreduce and checkpoints take the
 writer without MPI-IO.
+See docs/ARCHITECTURE.md (fault tolerance).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Layers with forward and hand-written backward on the array module of their input.
 
 Parameters and gradients are views into flat buffers (see Module); backward accumulates.
+See docs/ARCHITECTURE.md (layers).
 """
 from mpidist.nn.attention import CausalSelfAttention
 from mpidist.nn.conv import AvgPool2d, Conv2d, MaxPool2d

@@ -1,4 +1,7 @@
-"""Causal multi-head self-attention with a hand-written backward."""
+"""Causal multi-head self-attention with a hand-written backward.
+
+See docs/ARCHITECTURE.md (layers).
+"""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,7 @@
-"""2-D convolution by im2col (one matmul) and max/average pooling, NCHW layout."""
+"""2-D convolution by im2col (one matmul) and max/average pooling, NCHW layout.
+
+See docs/ARCHITECTURE.md (layers).
+"""
 from __future__ import annotations
 
 import math

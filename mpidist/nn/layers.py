@@ -1,4 +1,7 @@
-"""Elementwise and dense layers, each with a hand-written backward on the input's array module."""
+"""Elementwise and dense layers, each with a hand-written backward on the input's array module.
+
+See docs/ARCHITECTURE.md (layers).
+"""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,7 @@
-"""Softmax cross-entropy over the last axis, returning a SUM so callers choose the normaliser."""
+"""Softmax cross-entropy over the last axis, returning a SUM so callers choose the normaliser.
+
+See docs/ARCHITECTURE.md (layers).
+"""
 from __future__ import annotations
 
 from mpidist.kernels.backend import get_array_module

@@ -1,4 +1,7 @@
-"""Models built from the layers (MLP, small CNN, small GPT-style LM) and their registry."""
+"""Models built from the layers (MLP, small CNN, small GPT-style LM) and their registry.
+
+See docs/ARCHITECTURE.md (layers).
+"""
 from __future__ import annotations
 
 import numpy as np

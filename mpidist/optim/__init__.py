@@ -3,6 +3,8 @@ learning-rate schedules and loss scaling.
 
     opt = build_optimizer("lamb", layout, lr=1e-3, weight_decay=0.01, offset=o, count=c)
     info = opt.step(params, grads, reduce_norms=allreduce_sum)
+
+See docs/ARCHITECTURE.md (optimizers).
 """
 from mpidist.optim.adamw import AdamW
 from mpidist.optim.base import DEFAULT_EXCLUDE, LayerwiseOptimizer, Optimizer, StepInfo

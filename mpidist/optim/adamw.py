@@ -4,6 +4,8 @@
     m_hat = m/(1-b1^t) ;  v_hat = v/(1-b2^t)  (vmax/(1-b2^t) with amsgrad; no
                                                correction with bias_correction=False)
     w = w - lr*wd*w - lr * m_hat/(sqrt(v_hat) + eps)
+
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ Layer-wise optimizers (LARS, LAMB) need per-tensor norms. The kernels return par
 squares for every segment of the layout (zero outside the range), the caller's `reduce_norms`
 sums them across the shards (an allreduce in ZeRO), and the trust ratios follow from the
 totals, so a tensor split across ranks gets the same ratio as an unsplit one.
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ minutes", Algorithm 2), per tensor (segment) s:
     w = w - lr*trust_s*r
 phi_clamp=(0, inf) is the identity; the LAMB paper's gamma_l, gamma_u are phi_clamp.
 Tensors matching `exclude` (biases, norm parameters by default) get no decay and trust 1.
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ layer-wise adaptive rate scaling with momentum, per tensor (segment) s:
     v = momentum*v + lr*trust_s*(g + wd*w)
     w = w - v
 Tensors matching `exclude` (biases, norm parameters by default) get no decay and trust 1.
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

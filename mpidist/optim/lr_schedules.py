@@ -6,6 +6,7 @@ A schedule is a callable(step) -> lr (step counts from 0), so an optimizer takes
     to end_lr at total_steps.
 Scaling rules for a batch grown from base_batch to batch: linear (lr * k, Goyal et al.) and
 square root (lr * sqrt(k), Hoffer et al. 2017; the rule LAMB uses).
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

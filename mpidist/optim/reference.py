@@ -5,6 +5,7 @@ They follow the published rules as written in each optimizer's module docstring,
 (hyperparameters rounded to float32 once), sums of squares in float64, fp16/bf16 parameters
 updated through an fp32 master copy. A kernel that agrees with these to rtol 1e-6 over many
 steps implements the rule.
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ element-wise, hyperparameters rounded to float32 once, sums of squares in float6
 distributed run that agrees with this to rtol 1e-6 implements the algorithm.
 The compressors are passed in (make_compressor() -> a fresh mpidist.compress compressor):
 they are the algorithm's parameter, tested on their own.
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ The loss is multiplied by `scale` before backward so small gradients survive hal
 the optimizer divides the gradients by it again (step(..., loss_scale=scale)). On an
 overflow (non-finite gradients) the step is skipped and the scale multiplied by
 backoff_factor; after growth_interval clean steps in a row it is multiplied by growth_factor.
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@
     buf = momentum*buf + (1-dampening)*d  (later steps)
     d = d + momentum*buf  if nesterov else buf
     w = w - lr*d
+
+See docs/ARCHITECTURE.md (optimizers).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ partitioning, an executor with nonblocking transfers (pipeline.executor), per-st
 
     from mpidist.pipeline import build_schedule, format_grid, validate
     print(format_grid(build_schedule("1f1b", pp=4, microbatches=8)))
+
+See docs/ARCHITECTURE.md (pipeline).
 """
 from mpidist.pipeline.partition import balanced_bounds, by_cost, by_cuts, by_params, stage_bounds
 from mpidist.pipeline.actions import Action, Schedule

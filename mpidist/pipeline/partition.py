@@ -6,6 +6,7 @@ bounds[k] to bounds[k+1]):
   - by measured cost (`by_cost` on `measure_layer_costs`): balances their time;
   - by explicit cut points from the config (`by_cuts`).
 The balanced cuts minimise the largest stage: the slowest stage sets the pipeline's pace.
+See docs/ARCHITECTURE.md (pipeline).
 """
 from __future__ import annotations
 

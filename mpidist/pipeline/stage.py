@@ -8,6 +8,7 @@ mpidist.nn layers keep their forward caches on themselves (Linear._x, ...), one 
 at a time. A Stage lets several micro-batches be in flight: `stash()` takes the caches the
 last forward left (and the dropout generators' states before it), `unstash()` puts them
 back before that micro-batch's backward.
+See docs/ARCHITECTURE.md (pipeline).
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Parameter server over MPI one-sided communication: BSP, ASP and SSP(s) consistency."""
+"""Parameter server over MPI one-sided communication: BSP, ASP and SSP(s) consistency.
+
+See docs/ARCHITECTURE.md (parameter server).
+"""
 from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler, format_histogram
 from mpidist.ps.server import ParameterServer, place_servers
 from mpidist.ps.shard import ServerStats, ShardServer, SumUpdate

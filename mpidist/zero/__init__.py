@@ -4,6 +4,7 @@ Stage 1 partitions the optimizer states, stage 2 also the gradients, stage 3 als
 parameters, each over the chunk() shards of the flat layout, on mpidist's own collectives.
 `build_zero(stage, model, make_optimizer, ...)` picks the engine; `memory_report()` says,
 from the buffers actually allocated, what each rank holds.
+See docs/ARCHITECTURE.md (ZeRO).
 """
 from mpidist.zero.engine import ZeroEngine, check_stage
 from mpidist.zero.memory import MemoryReport, model_state_bytes, paper_bytes_per_param

@@ -13,6 +13,7 @@ gradients, 16 bytes in all. Partitioned over N data-parallel ranks:
 gradients, optimizer states, and the transient buffers in flight: gathered layers, gradient
 buckets, exchange buffers); `model_state_bytes` is the exact per-rank count those formulas
 predict for an uneven chunk() partition, so tests can compare the two to the byte.
+See docs/ARCHITECTURE.md (ZeRO).
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@
 
 Communication: reduce-scatter + allgather = one allreduce, as much as data parallel.
 Memory per parameter: 2 + 2 + 12/N bytes with mixed-precision Adam.
+See docs/ARCHITECTURE.md (ZeRO).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ Communication: allgather (forward) + allgather (backward) + reduce-scatter = 1.5
 parallel. Memory per parameter: 16/N bytes with mixed-precision Adam, plus the layers and
 buckets in flight. Initial parameters are made one layer at a time with the same random
 stream as model.init_params, so no rank ever holds the whole model.
+See docs/ARCHITECTURE.md (ZeRO).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ forward and backward.
 The hooks wrap the layers at the instance level (an instance attribute shadows the class's
 forward/backward), so every container, however it calls its children, goes through them,
 and the layer classes stay untouched; remove() restores the plain methods.
+See docs/ARCHITECTURE.md (ZeRO).
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@ built-in rule's) choice and a measurement of every algorithm, side by side.
 
     python -m mpidist.launcher -n 4 -- mpidist explain --sizes 4K,64K,1M,64M
     MPIDIST_ALGORITHM_TABLE=table.json mpiexec -n 4 mpidist explain --table table.json
+
+See docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ the sizes up to the geometric middle between it and the next size of the ladder.
 writes the table (select.FORMAT), the timings kept beside each layout as notes; an existing
 file keeps its other layouts, so one file can hold a cluster's several layouts. Point a
 job at it with [parallel] algorithm_table or env MPIDIST_ALGORITHM_TABLE.
+See docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 
