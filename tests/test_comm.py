@@ -7,15 +7,19 @@ from mpidist.comm import Communicator, as_communicator, cuda_aware_mpi
 from mpidist.errors import MismatchError, RemoteError
 
 
-def members(c):
-    """World ranks of a Communicator's members, in its rank order."""
-    return c.comm.allgather(MPI.COMM_WORLD.Get_rank())
+def members(c, parent):
+    """Ranks in `parent` of a Communicator's members, in its rank order."""
+    return c.comm.allgather(parent.rank)
 
 
-def test_private_duplicate_and_detected_topology(comm):
+@pytest.mark.world("compares the default Communicator with COMM_WORLD")
+def test_default_is_a_private_duplicate_of_the_world(comm):
     assert comm.comm != MPI.COMM_WORLD
     assert MPI.Comm.Compare(comm.comm, MPI.COMM_WORLD) == MPI.CONGRUENT
     assert (comm.rank, comm.size) == (MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+
+
+def test_detected_topology(comm):
     # one machine: one detected node holding every rank
     assert comm.num_nodes == 1 and comm.node == 0
     assert (comm.local_rank, comm.local_size) == (comm.rank, comm.size)
@@ -24,15 +28,15 @@ def test_private_duplicate_and_detected_topology(comm):
 
 @pytest.mark.parametrize("rpn", [1, 2, 3, 4])
 def test_simulated_nodes(comm, rpn):
-    c = Communicator(ranks_per_node=rpn)
+    c = Communicator(comm.comm, ranks_per_node=rpn)
     size = comm.size
     nodes = -(-size // rpn)
     assert c.simulated_nodes and c.num_nodes == nodes
     assert c.node == comm.rank // rpn and c.local_rank == comm.rank % rpn
     assert c.node_sizes == [min(rpn, size - k * rpn) for k in range(nodes)]
     assert c.uniform_nodes == (size % rpn == 0 or nodes == 1)
-    assert members(c.node_comm) == [r for r in range(size) if r // rpn == c.node]
-    assert members(c.inter_comm) == [r for r in range(size) if r % rpn == c.local_rank]
+    assert members(c.node_comm, comm) == [r for r in range(size) if r // rpn == c.node]
+    assert members(c.inter_comm, comm) == [r for r in range(size) if r % rpn == c.local_rank]
     # the leaves know their own topology
     assert c.node_comm.num_nodes == 1 and c.node_comm.node_comm is c.node_comm
     assert c.inter_comm.num_nodes == c.inter_comm.size
@@ -44,19 +48,19 @@ def test_named_shapes(comm):
     """4 ranks as 2x2 and 4x1; 3 ranks as 3x1 and 1x3 (nodes x ranks per node)."""
     shapes = {4: [(2, 2), (4, 1), (1, 4)], 3: [(3, 1), (1, 3)]}.get(comm.size, [(comm.size, 1)])
     for nodes, per in shapes:
-        c = Communicator(ranks_per_node=per)
+        c = Communicator(comm.comm, ranks_per_node=per)
         assert (c.num_nodes, c.local_size) == (nodes, per)
         c.free()
 
 
 def test_env_override_and_bad_value(comm, monkeypatch):
     monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "1")
-    c = Communicator()
+    c = Communicator(comm.comm)
     assert c.num_nodes == comm.size and c.local_size == 1
     c.free()
     monkeypatch.setenv("MPIDIST_RANKS_PER_NODE", "two")
     with pytest.raises(ValueError, match="positive integer"):
-        Communicator()
+        Communicator(comm.comm)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
@@ -71,8 +75,8 @@ def test_grid(comm, pp):
     dp = size // pp
     assert (g.pp, g.dp) == (pp, dp)
     assert g.rank_of(g.stage, g.replica) == comm.rank
-    assert members(g.dp_comm) == [g.stage * dp + r for r in range(dp)]
-    assert members(g.pp_comm) == [s * dp + g.replica for s in range(pp)]
+    assert members(g.dp_comm, comm) == [g.stage * dp + r for r in range(dp)]
+    assert members(g.pp_comm, comm) == [s * dp + g.replica for s in range(pp)]
     assert g.pp_comm.rank == g.stage and g.dp_comm.rank == g.replica
 
 
@@ -91,7 +95,7 @@ def test_users_own_communicator_is_duplicated_not_used():
 
 
 def test_split_keeps_nodes(comm):
-    c = Communicator(ranks_per_node=2)
+    c = Communicator(comm.comm, ranks_per_node=2)
     sub = c.split(color=c.rank % 2)
     assert sub is c.split(color=c.rank % 2)
     assert sub.num_nodes == len({r // 2 for r in range(c.size) if r % 2 == c.rank % 2})

@@ -64,6 +64,36 @@ def test_header_names_mpi_library_and_ranks(tmp_path):
 
 
 @pytest.mark.launcher
+def test_comm_runs_on_world_self_and_a_sub_communicator(tmp_path):
+    """Every rank goes through the same tests: the rank outside the sub-communicator skips
+    its cases, its members agree on their outcome among themselves."""
+    body = (
+        "import pytest\n"
+        "from mpi4py import MPI\n"
+        "SIZES = {'world': 3, 'self': 1, 'sub': 2}\n"
+        "def test_sizes(comm, size, request):\n"
+        "    kind = request.node.callspec.params['comm']\n"
+        "    assert comm.size == size == SIZES[kind] == comm.comm.allreduce(1)\n"
+        "def test_fails_on_sub_rank_1(comm, request):\n"
+        "    assert (request.node.callspec.params['comm'], comm.rank) != ('sub', 1), 'sub 1'\n"
+        "@pytest.mark.world('needs the world')\n"
+        "def test_world_only(comm):\n"
+        "    assert comm.size == MPI.COMM_WORLD.allreduce(1) == 3\n"
+        "@pytest.mark.mpi(min_size=3)\n"
+        "def test_three_ranks(comm):\n"
+        "    assert comm.size == 3\n")
+    proc, _ = run_pytest(tmp_path, 3, body, "-o", "every_comm=test_case.py", "-v", "-rfs")
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    assert "1 failed, 7 passed, 2 skipped" in out, out
+    assert "call failed on rank(s) [1] of 2" in out
+    for name in ("sizes[world]", "sizes[self]", "sizes[sub]", "world_only PASSED",
+                 "three_ranks[world] PASSED", "three_ranks[self] SKIPPED"):
+        assert name in out, out
+    assert "test_sizes[sub] SKIPPED" in (tmp_path / "rank2.log").read_text()
+
+
+@pytest.mark.launcher
 def test_launcher_works_from_inside_an_mpi_job(tmp_path):
     """A job started by mpiexec may start another (nested) mpiexec through the launcher."""
     inner = "import sys; from mpi4py import MPI; sys.stdout.write(f'inner {MPI.COMM_WORLD.Get_size()}\\n')"
