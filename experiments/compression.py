@@ -47,7 +47,7 @@ def _bytes_per_step(comm, config_path: str, overrides: dict, compressors) -> dic
     from mpidist.compress.allreduce import ring_allreduce_bytes
     from mpidist.data.loader import build_datasets
     from mpidist.engine.config import load_config
-    from mpidist.engine.strategy import build_model_from_config
+    from mpidist.engine.builders import build_model_from_config
     from mpidist.flat import Layout
     cfg = load_config(config_path, comm, overrides)
     train, test, meta = build_datasets(cfg, comm)

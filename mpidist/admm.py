@@ -20,10 +20,11 @@ import scipy.linalg
 
 from mpidist.collectives import allreduce
 from mpidist.comm import as_communicator
-from mpidist.engine.config import check_support
-from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config,
-                                     build_optimizer_from_config, read_params, replicated_pieces)
+from mpidist.engine.builders import build_model_from_config, build_optimizer_from_config
+from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
+from mpidist.nn import SoftmaxCrossEntropy, materialize
+from mpidist.state import StateDict, read_params, replicated_pieces
 
 __all__ = ["Lasso", "LogisticRegression", "ADMMResult", "consensus_admm", "ADMMStrategy",
            "soft_threshold"]
@@ -199,13 +200,12 @@ class ADMMStrategy(Strategy):
     rho/2 ||x - z + u_i||^2. A checkpoint holds z and rho; x_i restarts from z, u_i from 0.
     """
     name = "admm"
+    keys = ("rho",)
+    compresses = accumulates = False
     mu, tau, adapt_iters = 10.0, 2.0, 200
 
     def __init__(self, config: dict, comm, meta: dict):
         super().__init__(config, comm, meta)
-        check_support(config)       # [parallel] compression / accumulation it cannot honour
-        from mpidist.nn import SoftmaxCrossEntropy, materialize
-
         if meta.get("kind") == "lm":
             raise ConfigError("strategy 'admm' trains classification models (mlp, cnn), not gpt")
         self.model = build_model_from_config(config, meta)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from mpidist.errors import MismatchError, RemoteError, format_ranks
+from mpidist.errors import MismatchError, agree_or_raise, format_ranks
 from mpidist.kernels.backend import is_cupy, synchronize
 
 __all__ = ["Communicator", "Grid", "default_communicator", "as_communicator", "on_free",
@@ -229,20 +229,9 @@ class Communicator:
             raise MismatchError(f"{what} differs across ranks ({detail})" + (f"; {hint}" if hint else ""))
 
     def raise_if_any(self, exc: BaseException | None) -> None:
-        """Collective: if any rank passes an exception, raise on every rank.
-
-        The failing rank re-raises its own exception; the others raise RemoteError naming
-        the failing ranks and their messages.
-        """
-        msg = None if exc is None else f"{type(exc).__name__}: {exc}"
-        msgs = self.comm.allgather(msg)
-        bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
-        if not bad:
-            return
-        if exc is not None:
-            raise exc
-        detail = "; ".join(f"rank {r}: {m}" for r, m in bad)
-        raise RemoteError(f"failed on rank(s) {format_ranks([r for r, _ in bad])}: {detail}")
+        """Collective: errors.agree_or_raise on this communicator (the failing ranks raise
+        their own exception, the others RemoteError naming them and their messages)."""
+        agree_or_raise(self, exc)
 
     # ---------------------------------------------------------------- lifecycle
     def communicators(self) -> list:

@@ -1,5 +1,12 @@
-"""Exceptions that mpidist raises on every rank at once, so no rank is left waiting, and the
-one way their messages name ranks."""
+"""Exceptions that mpidist raises on every rank at once, so no rank is left waiting, the one
+way their messages name ranks, and `agree_or_raise`: the one collective that turns a failure
+on some ranks into an exception on all of them.
+
+This module imports nothing of mpidist, so every layer can use it.
+"""
+
+__all__ = ["format_ranks", "format_failures", "agree_or_raise", "MismatchError", "RemoteError",
+           "ConfigError"]
 
 
 def format_ranks(ranks) -> str:
@@ -15,6 +22,15 @@ def format_ranks(ranks) -> str:
     return ",".join(out)
 
 
+def format_failures(failures) -> str:
+    """[(rank, type name, message)] -> 'failed on rank(s) 0-2: ValueError: bad; rank(s) 3: ...'
+    (ranks with the same error grouped)."""
+    groups: dict = {}
+    for rank, kind, message in failures:
+        groups.setdefault(f"{kind}: {message}", []).append(rank)
+    return "failed on " + "; ".join(f"rank(s) {format_ranks(rs)}: {m}" for m, rs in groups.items())
+
+
 class MismatchError(ValueError):
     """Ranks disagree on something that must be identical (length, dtype, op, call order)."""
 
@@ -25,3 +41,28 @@ class RemoteError(RuntimeError):
 
 class ConfigError(ValueError):
     """A job configuration is invalid; raised before any work starts."""
+
+
+def agree_or_raise(comm, exc: BaseException | None, remote: type = RemoteError) -> None:
+    """Collective: if any rank of comm passes an exception, raise on every rank.
+
+    comm: an mpidist Communicator (or an mpi4py communicator); exc: this rank's failure or
+    None. The failing ranks re-raise their own exception; the others raise `remote`
+    (RemoteError, or a class the caller's handlers catch, so every rank takes the same
+    branch) with format_failures' message. The raised exception's `failures` attribute
+    lists (rank, type name, message) of every failing rank.
+    """
+    mpi_comm = getattr(comm, "comm", comm)
+    mine = None if exc is None else (type(exc).__name__, str(exc))
+    failures = [(r, *f) for r, f in enumerate(mpi_comm.allgather(mine)) if f is not None]
+    if not failures:
+        return
+    if exc is not None:
+        try:
+            exc.failures = failures
+        except AttributeError:      # an exception type with __slots__
+            pass
+        raise exc
+    err = remote(format_failures(failures))
+    err.failures = failures
+    raise err

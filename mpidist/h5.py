@@ -10,6 +10,8 @@ import os
 
 import h5py
 
+from mpidist.errors import agree_or_raise
+
 __all__ = ["parallel_hdf5", "agreed_parallel_hdf5", "open_file", "ENV_MPIO"]
 
 ENV_MPIO = "MPIDIST_HDF5_MPIO"
@@ -27,16 +29,14 @@ def parallel_hdf5() -> bool:
 
 def agreed_parallel_hdf5(comm) -> bool:
     """Collective: parallel_hdf5() on every rank of comm (a Communicator), so that all take
-    the same path; a bad MPIDIST_HDF5_MPIO on any rank raises on all."""
+    the same path; a bad MPIDIST_HDF5_MPIO on any rank raises ValueError on all."""
+    mine, err = False, None
     try:
-        mine, err = parallel_hdf5(), None
+        mine = parallel_hdf5()
     except ValueError as exc:
-        mine, err = False, str(exc)
-    votes = comm.comm.allgather((mine, err))
-    errors = [e for _, e in votes if e]
-    if errors:
-        raise ValueError(errors[0])
-    return all(m for m, _ in votes)
+        err = exc
+    agree_or_raise(comm, err, ValueError)
+    return comm.all(mine)
 
 
 def open_file(path: str, mode: str, comm=None, **kwargs):

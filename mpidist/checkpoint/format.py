@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 
+import ml_dtypes
 import numpy as np
+from h5py import h5s
 
 from mpidist.checkpoint.crc import crc32
 from mpidist.checkpoint.plan import flat_boxes
 
-__all__ = ["agree", "FORMAT", "FORMAT_VERSION", "TENSORS", "CheckpointError",
+__all__ = ["FORMAT", "FORMAT_VERSION", "TENSORS", "CheckpointError",
            "CorruptCheckpointError", "IncompatibleCheckpointError", "storage_dtype", "logical_dtype", "check_key",
            "meta_checksum", "select_flat", "META_ATTRS"]
 
@@ -42,19 +44,6 @@ class IncompatibleCheckpointError(ValueError):
     """A checkpoint does not fit the model (tensors missing or of another shape)."""
 
 
-def agree(comm, exc: BaseException | None, remote: type | None = None) -> None:
-    """Collective: if any rank failed, raise on every rank: the failing ranks their own
-    exception, the others a `remote` (default CheckpointError) carrying the failing ranks'
-    messages, so code that catches that class takes the same branch everywhere."""
-    msg = None if exc is None else f"{type(exc).__name__}: {exc}"
-    bad = [(r, m) for r, m in enumerate(comm.comm.allgather(msg)) if m is not None]
-    if not bad:
-        return
-    if exc is not None:
-        raise exc
-    raise (remote or CheckpointError)("; ".join(f"rank {r}: {m}" for r, m in bad))
-
-
 def storage_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype HDF5 stores: native numeric types as they are, others (bfloat16, float8
     from ml_dtypes) as unsigned integers of the same width, named in the 'dtype' attribute."""
@@ -72,7 +61,6 @@ def logical_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        import ml_dtypes
         return np.dtype(getattr(ml_dtypes, name))
 
 
@@ -117,7 +105,6 @@ def meta_checksum(attrs) -> int:
 
 def select_flat(dset_id, ranges):
     """A file dataspace of dataset dset_id selecting flat row-major (offset, count) ranges."""
-    from h5py import h5s
     space = dset_id.get_space()
     space.select_none()
     shape = space.shape
@@ -134,7 +121,6 @@ def select_flat(dset_id, ranges):
 
 def memory_space(n: int):
     """A 1-D memory dataspace of n elements (all selected; none when n == 0)."""
-    from h5py import h5s
     space = h5s.create_simple((max(n, 1),))
     if n == 0:
         space.select_none()

@@ -1,4 +1,4 @@
-"""The training loop's checkpoint hook (mpidist.engine.loop.CHECKPOINT_HOOK).
+"""The training loop's checkpoint hook (made by mpidist.engine.loop).
 
 Saves every [checkpoint] interval steps and at the end, resumes from the newest good
 checkpoint (on any rank count and strategy whose tensors match), and turns SIGTERM/SIGUSR1
@@ -17,14 +17,12 @@ import numpy as np
 from mpidist.checkpoint import format as fmt
 from mpidist.checkpoint.manager import CheckpointManager
 from mpidist.checkpoint.signals import REQUEUE_EXIT_CODE, Preemption
+from mpidist.errors import agree_or_raise
+from mpidist.state import MODEL_PREFIXES
 
-__all__ = ["make_hook", "CheckpointHook"]
+__all__ = ["CheckpointHook"]
 
 log = logging.getLogger("mpidist")
-
-
-def make_hook(config: dict, comm) -> "CheckpointHook":
-    return CheckpointHook(config, comm)
 
 
 class CheckpointHook:
@@ -59,9 +57,9 @@ class CheckpointHook:
             err = None
             try:
                 strategy.load_state_dict(src)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_or_raise
                 err = exc
-            fmt.agree(self.comm, err)
+            agree_or_raise(self.comm, err, fmt.CheckpointError)
             if src.world_size == self.comm.size and len(src.rank_meta) == self.comm.size:
                 mine = src.rank_meta[self.comm.rank]
                 state = mine.get("numpy_rng")
@@ -127,8 +125,6 @@ def _expected_shapes(strategy, comm) -> dict:
     its global shape; run state (compression residuals, ps clocks) is optional, and so are
     the fp32 masters of 16-bit parameters (optim/master/: a full-precision checkpoint has
     none, and read_params takes them from its params/)."""
-    from mpidist.engine.strategy import MODEL_PREFIXES
-
     mine = {k: tuple(p.shape) for k, p in strategy.state_dict().tensors.items()
             if k.startswith(MODEL_PREFIXES) and not k.startswith("optim/master/")}
     shapes: dict = {}

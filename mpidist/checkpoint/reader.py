@@ -10,11 +10,13 @@ import json
 import os
 from math import prod
 
+import h5py
 import numpy as np
 
 from mpidist.checkpoint import format as fmt
 from mpidist.checkpoint.crc import combine_pieces, crc32
 from mpidist.comm import as_communicator
+from mpidist.errors import agree_or_raise
 from mpidist.h5 import open_file
 from mpidist.partition import chunk
 
@@ -29,7 +31,6 @@ def inspect_checkpoint(path: str) -> dict:
     Raises CorruptCheckpointError if the file is missing, truncated, not an mpidist
     checkpoint, or its metadata fails its checksum. Data checksums are not read here.
     """
-    import h5py
     try:
         with h5py.File(path, "r") as f:
             a = f.attrs
@@ -105,7 +106,7 @@ class CheckpointReader:
         except Exception as exc:  # noqa: BLE001
             err = fmt.CorruptCheckpointError(f"{self.path} does not open: "
                                              f"{type(exc).__name__}: {exc}")
-        fmt.agree(c, err, fmt.CorruptCheckpointError)
+        agree_or_raise(c, err, fmt.CorruptCheckpointError)
         if verify:
             try:
                 self.verify()
@@ -174,7 +175,7 @@ class CheckpointReader:
                 mine.append((key, offset, count, value))
         except Exception as exc:  # noqa: BLE001
             err = exc
-        fmt.agree(c, err if err is None else fmt.CorruptCheckpointError(
+        agree_or_raise(c, err if err is None else fmt.CorruptCheckpointError(
             f"{self.path}: reading tensor data failed: {type(err).__name__}: {err}"),
             fmt.CorruptCheckpointError)
         pieces: dict = {k: [] for k in keys}

@@ -1,20 +1,16 @@
 """Preemption: SIGTERM or SIGUSR1 (SLURM's --signal) asks every rank to finish its step,
-write a checkpoint collectively and exit with REQUEUE_EXIT_CODE, which the batch script
-turns into `scontrol requeue`.
-
-A signal reaches the ranks at different moments (or only some of them), so the handler only
-sets a flag and the ranks agree on it once per step with one allreduce:
+write a checkpoint collectively and exit with REQUEUE_EXIT_CODE (the batch script turns it
+into `scontrol requeue`). A signal reaches the ranks at different moments, or only some of
+them, so the handler only sets a flag and the ranks agree on it once per step:
 
     with Preemption(comm) as pre:
         for step in ...:
             train_step()
             if pre.should_stop():            # collective: True on every rank or on none
-                manager.save(step, ...)
-                sys.exit(REQUEUE_EXIT_CODE)
+                manager.save(step, ...); sys.exit(REQUEUE_EXIT_CODE)
 
-Under Open MPI's mpiexec, send SIGUSR1 (mpiexec forwards it to every rank); SIGTERM makes
-mpiexec itself kill the ranks after odls_base_sigkill_timeout seconds (the slurm/ scripts
-raise it). Under srun, both reach every task directly.
+Open MPI's mpiexec forwards SIGUSR1 to every rank; on SIGTERM it kills the ranks after
+odls_base_sigkill_timeout seconds (the slurm/ scripts raise it). srun forwards both.
 """
 from __future__ import annotations
 

@@ -11,12 +11,15 @@ must cover every tensor they name.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 import socket
 from math import prod
 
+import h5py
 import numpy as np
+from h5py import h5fd, h5p
 
 import mpidist
 from mpidist import h5
@@ -24,6 +27,7 @@ from mpidist.checkpoint import format as fmt
 from mpidist.checkpoint.crc import combine_pieces, crc32
 from mpidist.checkpoint.plan import assign
 from mpidist.comm import as_communicator
+from mpidist.errors import agree_or_raise
 from mpidist.kernels.backend import to_numpy
 
 __all__ = ["write_checkpoint", "collective_io"]
@@ -75,7 +79,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
                     socket.gethostname(), None if epoch is None else int(epoch))
     except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
         err, rank_json, head = exc, None, None
-    fmt.agree(c, err)
+    agree_or_raise(c, err, fmt.CheckpointError)
 
     # 2. exchange what every rank holds; plan who writes which elements
     specs = c.comm.allgather({k: (p[0], p[1].name, p[2], p[3].size) for k, p in local.items()})
@@ -105,7 +109,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
             _reserve_probe(os.path.join(directory, f".{os.path.basename(path)}.reserve"), need)
         except Exception as exc:  # noqa: BLE001
             err = exc
-    fmt.agree(c, err)
+    agree_or_raise(c, err, fmt.CheckpointError)
 
     # 4. write the temporary file collectively, then rename it into place
     try:
@@ -117,7 +121,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
                 fsync_path(tmp)
         except OSError as exc:
             err = exc
-        fmt.agree(c, err)
+        agree_or_raise(c, err, fmt.CheckpointError)
         if c.rank == 0:
             try:
                 os.replace(tmp, path)
@@ -125,7 +129,7 @@ def write_checkpoint(path: str, tensors, *, step: int, epoch: int | None = None,
                     fsync_path(directory)
             except OSError as exc:
                 err = exc
-        fmt.agree(c, err)
+        agree_or_raise(c, err, fmt.CheckpointError)
     except BaseException:
         if c.rank == 0 and os.path.exists(tmp):
             os.remove(tmp)
@@ -193,8 +197,6 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
     if not h5.agreed_parallel_hdf5(c):
         return _write_in_turns(tmp, table, local, c, step=step, head=head,
                                rank_jsons=rank_jsons)
-    import h5py
-    from h5py import h5fd, h5p
 
     dxpl = h5p.create(h5p.DATASET_XFER)
     if collective:
@@ -204,7 +206,7 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
         f = h5py.File(tmp, "w", driver="mpio", comm=c.comm, libver="latest")
     except Exception as exc:  # noqa: BLE001
         err = exc
-    fmt.agree(c, err)
+    agree_or_raise(c, err, fmt.CheckpointError)
     try:
         dsets = _create_datasets(f, table)    # collective: same order on every rank
         my_crcs = []
@@ -216,7 +218,7 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
                 my_crcs += _write_tensor(dsets[key], key, t, local.get(key), c.rank, dxpl)
             except Exception as exc:  # noqa: BLE001
                 err = exc
-            fmt.agree(c, err)
+            agree_or_raise(c, err, fmt.CheckpointError)
         crcs = _combine(c.comm.allgather(my_crcs), table)
         _set_attrs(f, dsets, table, crcs, c.size, step=step, head=head, rank_jsons=rank_jsons)
         f.flush()
@@ -226,7 +228,7 @@ def _write_file(tmp, table, local, c, collective, *, step, head, rank_jsons):
             f.close()
         except Exception as exc:  # noqa: BLE001
             err = exc
-    fmt.agree(c, err)
+    agree_or_raise(c, err, fmt.CheckpointError)
 
 
 def _create_datasets(f, table) -> dict:
@@ -241,17 +243,15 @@ def _write_in_turns(tmp, table, local, c, *, step, head, rank_jsons):
     """The same file without MPI-IO: rank 0 creates the datasets, then each rank in turn
     opens the file alone and writes its ranges, then rank 0 sets the attributes. As many
     writers as ranks, one at a time: slower than parallel HDF5, but the same bytes."""
-    import h5py
-
     def on_rank(rank, mode, work):
         err = None
         if c.rank == rank:
             try:
                 with h5py.File(tmp, mode, libver="latest") as f:
                     work(f)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree
+            except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_or_raise
                 err = exc
-        fmt.agree(c, err)
+        agree_or_raise(c, err, fmt.CheckpointError)
 
     my_crcs = []
 
@@ -307,7 +307,6 @@ def _combine(gathered: list[list], table: dict) -> dict:
 
 def _set_attrs(f, dsets, table, crcs, world_size, *, step, head, rank_jsons):
     """Identical attribute calls on every rank (parallel HDF5 requires it): values from rank 0."""
-    import json
     scalars_json, meta_json, created, hostname, epoch = head
     for key, dset in dsets.items():
         dset.attrs["crc32"] = np.uint32(crcs[key][0])

@@ -1,7 +1,6 @@
-"""Training engine: Strategy interface and registry, DistributedOptimizer, config, loop."""
+"""Training engine: DistributedOptimizer, the Strategy interface and its strategies
+(engine.strategies), config, loop. The state types live below it, in mpidist.state."""
 from mpidist.engine.distributed import DistributedOptimizer
-from mpidist.engine.strategy import (STRATEGIES, InMemoryState, StateDict, Strategy, TensorPiece,
-                                     build_strategy, register_strategy)
+from mpidist.engine.strategy import Strategy
 
-__all__ = ["DistributedOptimizer", "Strategy", "StateDict", "TensorPiece", "InMemoryState", "STRATEGIES",
-           "register_strategy", "build_strategy"]
+__all__ = ["DistributedOptimizer", "Strategy"]

@@ -1,31 +1,12 @@
 """Gradient-compression state in checkpoints, as global datasets.
 
-A CompressedAllreduce keeps one compressor per gradient bucket, and a compressor's state is
-this rank's own: its error-feedback residual differs from rank to rank, its other arrays
-(PowerSGD's warm-start Q) and counters are the same on every rank. Over the R data-parallel
-replicas that share a bucket (replica r writes row r of every dataset):
-
-    compress/residual/<tensor>              (R, *shape) float32   the residual, per parameter
-    compress/bucket/<first>/<array>         (R, len)              other arrays of the bucket that
-                                                                  starts at tensor <first> (q)
-    compress/bucket/<first>/<number>        (R,)                  its counters: length, calls,
-                                                                  and the compressor's (step)
-
-plus scalars["compression"] = {"config", "step", "skipped_steps"}. Every array and number in
-a compressor's state_dict() becomes a dataset, so state a compressor adds travels without
-change here. Residuals are stored per parameter tensor, so they load whatever the bucketing.
-
-Loading (restore_compression):
-- the same number of replicas: each replica reads its own rows back, exactly;
-- R old replicas onto R' new ones: every new residual is (1/R') * the sum of the old ones.
-  The strategies sum gradients over replicas (each rank's loss is pre-scaled by 1 / global
-  batch), so what error feedback still owes the updates is the sum of the residuals; spread
-  evenly it stays the same sum, and the replicas' residuals are alike (same model, rows of
-  the same batches), so none is favoured. Other arrays take the mean of the old rows (exact
-  for PowerSGD's Q, which every rank shares); counters take row 0.
-- no compression state in the checkpoint (written uncompressed): residuals start at zero;
-  a checkpoint of another compressor (other config): its residuals only.
-A run without compression ignores these datasets.
+A CompressedAllreduce keeps one compressor per gradient bucket; its error-feedback residual
+differs from rank to rank, its other arrays (PowerSGD's Q) and counters do not. Each of the
+R data-parallel replicas that share a bucket writes row r of (R, ...) datasets:
+compress/residual/<tensor> per parameter tensor (so they load whatever the bucketing), and
+compress/bucket/<first tensor>/<name> for every other array and number of the compressor's
+state_dict(). restore_compression loads them at the same or another replica count (its
+docstring gives the rules); the key table is in docs/ARCHITECTURE.md ("Checkpoints").
 """
 from __future__ import annotations
 
@@ -33,8 +14,8 @@ import numbers
 
 import numpy as np
 
-from mpidist.engine.strategy import TensorPiece
 from mpidist.kernels.backend import to_numpy
+from mpidist.state import TensorPiece
 
 __all__ = ["compression_pieces", "compression_scalars", "restore_compression", "RESIDUAL", "BUCKET"]
 
@@ -90,7 +71,17 @@ def compression_scalars(ca) -> dict:
 
 def restore_compression(ca, source, layout, buckets, replica: int, replicas: int) -> None:
     """Load ca's state for `buckets` ([(offset, count)] of its gradient buffer) from source,
-    as replica `replica` of `replicas` (rules in the module docstring). Per rank."""
+    as replica `replica` of `replicas`. Per rank.
+
+    - the same number of replicas: each replica reads its own rows back, exactly;
+    - R old replicas onto R' new ones: every new residual is (1/R') * the sum of the old
+      ones. Gradients are summed over replicas, so what error feedback still owes the
+      updates is the sum of the residuals; spread evenly it stays the same sum (the
+      replicas' residuals are alike, so none is favoured). Other arrays take the mean of
+      the old rows (exact for PowerSGD's Q, which every rank shares); counters row 0;
+    - no compression state in the checkpoint: residuals start at zero; a checkpoint of
+      another compressor (other config): its residuals only.
+    """
     keys = set(source.keys())
     saved = source.scalars.get("compression") or {}
     config = ca.compressor.config()

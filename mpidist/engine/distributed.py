@@ -1,23 +1,16 @@
 """DistributedOptimizer: data-parallel gradient averaging around any mpidist optimizer.
 
-The Horovod-style entry point. Gradients live in one flat buffer; it is cut into buckets of
-about `bucket_mb` MiB at tensor boundaries, numbered from the END of the buffer because
-backward produces the last layer's gradients first. As the model reports gradients ready
-(Module.set_grad_hook), every bucket whose tensors are all final is launched with
-allreduce_async, in bucket order on every rank, so communication runs while backward goes
-on. step() then:
-
+The Horovod-style entry point. Gradients live in one flat buffer cut into buckets of about
+`bucket_mb` MiB at tensor boundaries, numbered from the END (backward produces the last
+layer's gradients first). As the model reports gradients ready, every complete bucket is
+launched with allreduce_async, in bucket order on every rank, so communication overlaps
+backward. step() then:
     1. launches the buckets not yet launched and waits for all of them (in order),
     2. agrees across ranks whether any gradient is NaN/Inf (one small allreduce, which also
        carries the caller's metrics), and skips the update everywhere if so,
     3. runs the wrapped optimizer on the averaged gradients and zeroes them.
-
-Gradient accumulation: with accumulation=k, the first k-1 calls of step() only count
-micro-steps (backward keeps accumulating into the same buffer, nothing is sent); the k-th
-does the above.
-
-Existing codes that keep their parameters in plain arrays use `for_arrays`: the arrays are
-packed into a Layout, step(grads) copies the gradients in and the new parameters back out.
+With accumulation=k the first k-1 step() calls only count micro-steps. Codes that keep
+parameters in plain arrays use `for_arrays`. See docs/ARCHITECTURE.md ("Engine").
 """
 from __future__ import annotations
 
@@ -26,7 +19,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.collectives import allreduce_async
 from mpidist.comm import as_communicator
+from mpidist.compress import CompressedAllreduce, make_compressor
+from mpidist.engine.onebit import OnebitDriver, is_onebit
 from mpidist.flat import FlatBuffer, Layout
 from mpidist.kernels.backend import get_array_module
 
@@ -58,18 +54,16 @@ class DistributedOptimizer:
     algorithm: the mpidist.collectives allreduce algorithm ("ring", "tree", ..., "auto").
     op: "avg" divides the summed gradients by size * accumulation (Horovod semantics: each rank
       passes the mean over its own batch); "sum" leaves them summed (the caller normalised).
-    compression: None, or a compressor name from mpidist.compress.
-    compression_options: the compressor's options (make_compressor(compression, **options)).
-    compression_warmup: the first optimizer steps go uncompressed (float32 ring allreduce).
-    compression_allreduce: how compressed payloads combine (CompressedAllreduce's algorithm:
-      "auto", "gather", "ring", "linear").
+    compression: None; a compressor (mpidist.compress.make_compressor(name, **options), or
+      its name), summed by a CompressedAllreduce with its defaults; or a CompressedAllreduce
+      over the ranks of comm, to set its warm-up steps and how payloads combine (give it
+      nonfinite="skip" to have an inf/NaN step skipped rather than raise).
     broadcast: start from rank 0's parameters and optimizer state (collective, at construction).
     """
 
     def __init__(self, optimizer, params: FlatBuffer, grads: FlatBuffer, *, comm=None, algorithm: str = "auto",
-                 bucket_mb: float = 4.0, accumulation: int = 1, op: str = "avg", compression: str | None = None,
-                 broadcast: bool = True, compression_options: dict | None = None, compression_warmup: int = 0,
-                 compression_allreduce: str = "auto"):
+                 bucket_mb: float = 4.0, accumulation: int = 1, op: str = "avg", compression=None,
+                 broadcast: bool = True):
         if not isinstance(params, FlatBuffer) or not isinstance(grads, FlatBuffer):
             raise TypeError("params and grads must be mpidist.flat.FlatBuffer (see mpidist.nn.materialize), "
                             "or use DistributedOptimizer.for_arrays for plain arrays")
@@ -89,17 +83,14 @@ class DistributedOptimizer:
             raise TypeError(f"optimizer must be an mpidist optimizer (with step), got {type(optimizer).__name__}")
         self.algorithm, self.op = algorithm, op
         self.accumulation = int(accumulation)
-        options = dict(compression_options or {})
+        self.compressed = self._make_compressed(compression)   # a CompressedAllreduce or None
+        ca = self.compressed
         self.comm.check_same((self.layout.numel, str(params.dtype), algorithm, op, self.accumulation,
-                              float(bucket_mb), compression, sorted(options.items()), compression_warmup,
-                              compression_allreduce),
+                              float(bucket_mb), None if ca is None else
+                              (ca.compressor.config(), ca.algorithm, ca.warmup_steps, ca.nonfinite)),
                              "DistributedOptimizer settings (numel, dtype, algorithm, op, accumulation, "
-                             "bucket_mb, compression, compression_options, compression_warmup, "
-                             "compression_allreduce)")
-        self.compressed = None          # the CompressedAllreduce, when compression is on
-        self.allreduce_async = self._make_allreduce(compression, options, compression_warmup,
-                                                    compression_allreduce)
-        self.onebit = self._make_onebit(compression)
+                             "bucket_mb, compression)")
+        self.onebit = self._make_onebit()
         self.buckets = make_buckets(self.layout, params.dtype.itemsize, bucket_mb)
         bucket_of = np.empty(len(self.layout), dtype=np.int64)
         for b, (lo, hi) in enumerate(self.buckets):
@@ -115,30 +106,35 @@ class DistributedOptimizer:
         if broadcast:
             self.broadcast_state(root=0)
 
-    def _make_allreduce(self, compression, options, warmup, how):
-        from mpidist.collectives import allreduce_async
+    def _make_compressed(self, compression) -> CompressedAllreduce | None:
+        """The compression argument as a CompressedAllreduce over comm (None: no compression).
+        A compressor alone gets nonfinite="skip": a NaN/Inf bucket comes back NaN (residuals
+        untouched), so step 2's agreement skips the update."""
+        if compression is None or compression == "none":
+            return None
+        if not isinstance(compression, CompressedAllreduce):
+            return CompressedAllreduce(make_compressor(compression), self.comm, nonfinite="skip")
+        error = None
+        if (compression.comm.rank, compression.comm.size) != (self.comm.rank, self.comm.size):
+            error = ValueError(f"the CompressedAllreduce runs on rank {compression.comm.rank} of "
+                               f"{compression.comm.size}, the optimizer on rank {self.comm.rank} "
+                               f"of {self.comm.size}: build it over the same communicator")
+        self.comm.raise_if_any(error)
+        return compression
 
-        if compression in (None, "none"):
-            if options or warmup or how != "auto":
-                raise ValueError("compression_options, compression_warmup and compression_allreduce "
-                                 "need a compression name")
-            return lambda buf: allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
-        from mpidist.compress import CompressedAllreduce, build_compressor
+    def allreduce_async(self, buf):
+        """Launch the sum of one gradient bucket over comm (compressed, where configured); the
+        layout lets PowerSGD see each bucket's matrices."""
+        if self.compressed is not None:
+            return self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
+        return allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
 
-        # nonfinite="skip": a NaN/Inf bucket comes back NaN (residuals untouched), so step 2's
-        # agreement skips the update; the layout lets PowerSGD see each bucket's matrices
-        self.compressed = CompressedAllreduce(build_compressor(compression, **options), self.comm,
-                                              algorithm=how, warmup_steps=warmup, nonfinite="skip")
-        return lambda buf: self.compressed.allreduce_async(buf, op="sum", layout=self.layout)
-
-    def _make_onebit(self, compression):
+    def _make_onebit(self):
         """A 1-bit optimizer (mpidist.optim.onebit) sends its own compressed momentum once
         its warm-up is over: the driver of that exchange (engine.onebit), else None."""
-        from mpidist.engine.onebit import OnebitDriver, is_onebit
-
         if not is_onebit(self.optimizer):
             return None
-        if compression not in (None, "none"):
+        if self.compressed is not None:
             raise ValueError(f"optimizer {self.optimizer.name!r} compresses its momentum itself "
                              f"(its compressor option); remove the gradient compression")
         # op="sum": each rank's gradient is its share of the sum; "avg": of the mean

@@ -8,10 +8,12 @@ import numpy as np
 
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.distributed import DistributedOptimizer
-from mpidist.engine.strategy import (StateDict, Strategy, build_model_from_config, build_optimizer_from_config,
-                                     read_flat, read_params, replicated_pieces)
+from mpidist.engine.builders import build_compression, build_model_from_config, build_optimizer_from_config
+from mpidist.engine.strategy import Strategy
+from mpidist.kernels.backend import cupy
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.partition import chunk
+from mpidist.state import StateDict, read_flat, read_params, replicated_pieces
 
 __all__ = ["DataParallel"]
 
@@ -33,7 +35,6 @@ class DataParallel(Strategy):
         self.model = build_model_from_config(config, meta).no_input_grad()
         self.xp = np
         if config["job"]["device"] == "gpu":
-            from mpidist.kernels.backend import cupy
             self.xp = cupy()
             comm.use_gpu()
         self.layout, self.params, self.grads = materialize(self.model, dtype=np.float32, xp=self.xp,
@@ -42,10 +43,7 @@ class DataParallel(Strategy):
         self.dopt = DistributedOptimizer(self.optimizer, self.params, self.grads, comm=comm,
                                          algorithm=p["algorithm"], bucket_mb=p["bucket_mb"],
                                          accumulation=p["accumulation"], op="sum",
-                                         compression=None if p["compression"] == "none" else p["compression"],
-                                         compression_options=p.get("compression_options"),
-                                         compression_warmup=p.get("compression_warmup", 0),
-                                         compression_allreduce=p.get("compression_allreduce", "auto"))
+                                         compression=build_compression(config, comm))
         self.dopt.attach(self.model)
         self.loss = SoftmaxCrossEntropy()
         self.tokens = int(meta["block"]) if meta.get("kind") == "lm" else 1

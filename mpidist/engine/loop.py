@@ -3,8 +3,8 @@
 It is the same for every strategy: the Strategy (engine.strategy) does the parallel work; the
 loop feeds each rank its rows of every global batch and records what comes back.
 
-Checkpoint hook point. When [checkpoint] interval > 0, dir is set, or resume = true, the loop
-imports CHECKPOINT_HOOK ("module:factory"), calls factory(config, comm) -> hook, then
+Checkpoints: when [checkpoint] interval > 0, dir is set, or resume = true, the loop makes a
+checkpoint.hook.CheckpointHook(config, comm), then
     hook.attach(strategy)                before training
     hook.resume(strategy) -> bool        before training, if checkpoint.resume (collective)
     hook.after_step(strategy, last)      after every step; the hook decides when to save
@@ -12,23 +12,25 @@ imports CHECKPOINT_HOOK ("module:factory"), calls factory(config, comm) -> hook,
 """
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
 import sys
 import time
 
+from tqdm import tqdm
+
+from mpidist.checkpoint.hook import CheckpointHook
 from mpidist.collectives import flight, select
 from mpidist.data import DistributedSampler, build_datasets, iterate
 from mpidist.engine.metrics import MetricsWriter
-from mpidist.errors import ConfigError
-from mpidist.engine.strategy import build_strategy
+from mpidist.engine.plot import plot_run
+from mpidist.engine.strategies import build_strategy
+from mpidist.errors import ConfigError, agree_or_raise, format_failures
 from mpidist.ft.recovery import Resilience
 
-__all__ = ["run", "evaluate", "total_steps", "JobFailed", "CHECKPOINT_HOOK"]
+__all__ = ["run", "evaluate", "total_steps", "JobFailed"]
 
-CHECKPOINT_HOOK = "mpidist.checkpoint.hook:make_hook"
 log = logging.getLogger("mpidist")
 
 
@@ -42,18 +44,12 @@ def total_steps(config: dict, n_train: int) -> tuple[int, int]:
     return per_epoch, (j["steps"] if j["steps"] > 0 else j["epochs"] * per_epoch)
 
 
-def _checkpoint_hook(config: dict, comm):
+def _checkpoint_hook(config: dict, comm) -> CheckpointHook | None:
+    """Collective: the checkpoint hook, or None when the job asks for no checkpoints."""
     c = config["checkpoint"]
     if not (c["interval"] > 0 or c["dir"] or c["resume"]):
         return None
-    module, attr = CHECKPOINT_HOOK.split(":")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        if comm.rank == 0:
-            log.warning("checkpointing requested but not available (%s); training without it", exc)
-        return None
-    return factory(config, comm)
+    return CheckpointHook(config, comm)
 
 
 class JobFailed(RuntimeError):
@@ -61,27 +57,25 @@ class JobFailed(RuntimeError):
 
 
 def _agreed(comm, fn, *args):
-    """Run fn on every rank; if it fails anywhere, raise on every rank (no rank left waiting).
+    """Run fn on every rank; if it fails anywhere, raise on every rank (agree_or_raise).
 
-    A ConfigError anywhere becomes the same ConfigError everywhere; other failures JobFailed.
+    A ConfigError anywhere becomes a ConfigError everywhere; other failures JobFailed, which
+    names the failing ranks and their messages.
     """
     result, error = None, None
     try:
         result = fn(*args)
     except Exception as exc:
         error = exc
-    errors = comm.comm.allgather(None if error is None else (isinstance(error, ConfigError), str(error),
-                                                             type(error).__name__))
-    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if not bad:
-        return result
-    config_errors = [msg for _, (is_cfg, msg, _) in bad if is_cfg]
-    if config_errors:
-        raise ConfigError(config_errors[0])
-    by_message: dict = {}
-    for r, (_, msg, name) in bad:
-        by_message.setdefault(f"{name}: {msg}", []).append(str(r))
-    raise JobFailed("; ".join(f"rank(s) {','.join(rs)}: {m}" for m, rs in by_message.items())) from error
+    try:
+        agree_or_raise(comm, error, JobFailed)
+    except Exception as exc:
+        failures = getattr(exc, "failures", [])
+        config = [msg for _, kind, msg in failures if kind == ConfigError.__name__]
+        if config:
+            raise (exc if isinstance(exc, ConfigError) else ConfigError(config[0])) from None
+        raise (exc if exc is not error else JobFailed(format_failures(failures))) from error
+    return result
 
 
 # ranks that see different data would run different numbers of steps and hang
@@ -152,7 +146,6 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
     writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), is_root, append=strategy.step > 0)
     bar = None
     if is_root and job["progress"]:
-        from tqdm import tqdm
         # on a terminal a live bar; in a batch log (SLURM, CI) a line every 10 s, not thousands
         interactive = sys.stderr.isatty()
         bar = tqdm(total=total, initial=strategy.step, desc=job["name"], unit="step",
@@ -222,7 +215,6 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
         with open(os.path.join(out_dir, "summary.json"), "w") as fh:
             json.dump(summary, fh, indent=1)
         if job["plot"]:
-            from mpidist.engine.plot import plot_run
             summary["plot"] = plot_run(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "training.png"),
                                        f"{job['name']}: {comm.size} ranks, {config['parallel']['strategy']}")
         log.info("done: %d steps in %.1f s, test accuracy %.4f, %.0f samples/s; metrics and plot in %s",

@@ -1,25 +1,16 @@
 """The compression stage of the 1-bit optimizers (mpidist.optim.onebit) in a data-parallel
 group: what dp, ZeRO and the pipeline's data-parallel groups share.
 
-During the warm-up an engine averages gradients as it always does. Once the optimizer is
-frozen it sends no gradient; instead, per step:
-
-    1. local momentum   m_i = b1*m + (1-b1)*mult*g_i over the range it holds (whole
-                        buffer, or bucket by bucket), m being the last averaged momentum
-    2. worker side      the compressed reduce-scatter of m_i onto the chunk owners
-                        (worker error feedback per range)
-    3. server side      each owner averages its chunk, compresses it (server error
-                        feedback) and every rank gathers the average, whole
-    4. the update       the optimizer's step on its range of that average
-
-(mpidist.compress.momentum does 2 and 3.) State in checkpoints, beside the optimizer's:
-    compress/residual/<tensor>         (R, *shape)  the worker residuals, one row per replica
-                                                    (engine.compression_state's rule)
-    compress/server_residual/<tensor>  (*shape)     the server residuals: each owner's chunk
-                                                    of one global tensor
-    scalars["compression"], scalars["onebit"]       counters (the compressors' steps)
-The averaged momentum is the optimizer's exp_avg, gathered again after a load; the phase is
-the optimizer's step count, so a resume does not restart the warm-up.
+During the warm-up gradients are averaged as usual. Once the optimizer is frozen no
+gradient is sent; per step (OnebitDriver):
+    1. local momentum  m_i = b1*m + (1-b1)*mult*g_i over the range this rank holds
+    2. worker side     compressed reduce-scatter of m_i onto the chunk owners (worker error feedback)
+    3. server side     each owner averages and compresses its chunk (server error feedback);
+                       every rank gathers the average whole (mpidist.compress.momentum: 2, 3)
+    4. the update      the optimizer's step on its range of that average
+Checkpoints hold the worker residuals (engine.compression_state's rule), the server
+residuals (compress/server_residual/<tensor>) and the counters; the phase is the
+optimizer's step count, so a resume does not restart the warm-up.
 """
 from __future__ import annotations
 
@@ -28,9 +19,9 @@ import numpy as np
 from mpidist.compress import MomentumAllreduce, make_compressor
 from mpidist.compress.momentum import allgather_shards, check_momentum_compressor
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
-from mpidist.engine.strategy import flat_pieces, read_flat
 from mpidist.kernels.backend import get_array_module
 from mpidist.optim.base import StepInfo
+from mpidist.state import flat_pieces, read_flat
 
 __all__ = ["OnebitDriver", "SERVER_RESIDUAL", "is_onebit", "config_errors"]
 
@@ -154,16 +145,12 @@ class OnebitDriver:
         ex.ready = False
 
 
-
-def config_errors(cfg: dict) -> list[str]:
+def config_errors(cfg: dict, opt) -> list[str]:
     """What a job config asks of a 1-bit optimizer that cannot be done, as messages (none
     for another optimizer): its compressor and options, gradient compression beside it,
-    strategies without data-parallel gradient averaging, accumulation in ZeRO stages 2, 3."""
-    from mpidist.flat import Layout
-    from mpidist.optim import build_optimizer
-
+    strategies without data-parallel gradient averaging, accumulation in ZeRO stages 2, 3.
+    opt: the config's optimizer, built on any layout."""
     o, p = cfg["optim"], cfg["parallel"]
-    opt = build_optimizer(o["name"], Layout([("w", (2, 2)), ("b", (2,))]), lr=o["lr"], **o["hyper"])
     if not is_onebit(opt):
         return []
     errors, where = [], f"[optim] name = {o['name']!r}"

@@ -9,7 +9,8 @@ __all__ = ["plot_run"]
 
 
 def plot_run(metrics_path: str, png_path: str, title: str = "") -> str:
-    import matplotlib
+    """Draw the run's metrics.jsonl into png_path (rank 0, at the end); returns png_path."""
+    import matplotlib   # deferred: heavy, and needed once per run, on rank 0
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

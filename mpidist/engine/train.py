@@ -15,10 +15,18 @@ import sys
 import tomllib
 import traceback
 
+from mpidist.comm import Communicator
+from mpidist.engine.config import format_schema, load_config
+from mpidist.engine.loop import JobFailed, run
+from mpidist.engine.metrics import setup_logging
+from mpidist.errors import ConfigError
+from mpidist.ft.ulfm import exit_now
+
 __all__ = ["main"]
 
 
-def _parse_override(text: str) -> tuple[str, object]:
+def parse_override(text: str) -> tuple[str, object]:
+    """(key, value) of one --set section.key=VALUE (a TOML value, or a bare word)."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ValueError(f"--set takes section.key=VALUE (a TOML value), got {text!r}")
     key, value = text.split("=", 1)
@@ -39,22 +47,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="resume from the latest checkpoint (same as --set checkpoint.resume=true)")
     parser.add_argument("--show-schema", action="store_true", help="print every section and key, then exit")
     args = parser.parse_args(argv)
-    from mpidist.engine.config import format_schema, load_config
     if args.show_schema:
         print(format_schema())
         return 0
     if not args.config:
         parser.error("give a CONFIG file (or --show-schema)")
 
-    from mpidist.comm import Communicator
-    from mpidist.engine.loop import JobFailed, run
-    from mpidist.engine.metrics import setup_logging
-    from mpidist.errors import ConfigError
-
     comm = Communicator()
     log = setup_logging(comm.rank, comm.size)
     try:
-        overrides = dict(_parse_override(s) for s in args.set)
+        overrides = dict(parse_override(s) for s in args.set)
     except ValueError as exc:
         log.error("mpidist train: %s", exc)
         return 2
@@ -85,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         comm.free()
     if summary.get("recoveries"):         # a rank was lost: MPI_Finalize may hang (mpidist.ft)
-        from mpidist.ft.ulfm import exit_now
         exit_now(code)
     return code
 

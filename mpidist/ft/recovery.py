@@ -23,9 +23,9 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.engine.metrics import MetricsWriter, setup_logging
-from mpidist.engine.strategy import InMemoryState, replicated_pieces
 from mpidist.errors import ConfigError
 from mpidist.ft import ulfm
+from mpidist.state import InMemoryState, replicated_pieces
 
 __all__ = ["Resilience", "SHARD_ROUTES", "ENV_KILL", "replica", "pieces_cover"]
 

@@ -1,24 +1,13 @@
 """[parallel] strategy = "pipeline": pipeline stages x data-parallel replicas.
 
-Ranks form the pp x dp grid of Communicator.grid(pp) (rank = stage * dp + replica). The
-pp ranks of a replica run the schedule on that replica's rows of the global batch; the dp
-replicas of a stage hold the same layers, so after the pipeline step
-
-    1. gradients of each stage are summed across its replicas (mpidist allreduce on the
-       stage's dp group; the loss is scaled by 1 / global count, as data parallelism does;
-       with [parallel] compression, the CompressedAllreduce of mpidist.compress on that
-       group, given the stage's layout so PowerSGD sees its matrices)
-    2. the optimizer updates the stage's parameters
-       (zero = 1: ZeRO stage 1 in the dp group: 1'. reduce-scatter of the gradients,
-        2'. the optimizer on my shard only, 3'. allgather of the updated shards)
-
+Ranks form the pp x dp grid of Communicator.grid(pp). The pp ranks of a replica run the
+schedule on that replica's rows of the global batch; then, in each stage's dp group:
+    1. the stage's gradients are summed across its replicas (allreduce; with compression
+       the CompressedAllreduce, given the stage's layout so PowerSGD sees its matrices)
+    2. the optimizer updates the stage's parameters (zero = 1: ZeRO stage 1 in the dp
+       group: reduce-scatter, the optimizer on my shard, allgather of the shards)
 so one step equals a single-rank step on the same model and global batch. A 1-bit
-optimizer (mpidist.optim.onebit) past its warm-up replaces step 1 (and 1') by its
-compressed momentum exchange over the stage's dp group (mpidist.engine.onebit).
-
-Config ([parallel]): stages, microbatches, schedule (gpipe | 1f1b | interleaved), virtual
-(chunks per rank for interleaved), recompute, partition (params | cost | cuts), cuts, zero;
-compression, compression_options, compression_warmup (accumulation: use microbatches).
+optimizer past its warm-up replaces 1 by its momentum exchange (mpidist.engine.onebit).
 Bad input fails on every rank before training: stages not dividing the world size, more
 (virtual) stages than layers, micro-batches not dividing each replica's rows.
 """
@@ -33,12 +22,10 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce, reduce_scatter
+from mpidist.engine.builders import build_compression, build_model_from_config, build_optimizer_from_config
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
-from mpidist.engine.config import check_support
 from mpidist.engine.onebit import OnebitDriver, is_onebit
-from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
-                                     build_optimizer_from_config, flat_pieces, read_flat,
-                                     read_params, replicated_pieces)
+from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.pipeline.executor import PipelineExecutor
@@ -46,6 +33,7 @@ from mpidist.pipeline.partition import measure_layer_costs, stage_bounds
 from mpidist.pipeline.schedules import build_schedule
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
 from mpidist.pipeline.timing import gather_events, plot_timeline
+from mpidist.state import StateDict, flat_pieces, read_flat, read_params, replicated_pieces
 
 __all__ = ["PipelineStrategy"]
 
@@ -55,13 +43,22 @@ log = logging.getLogger("mpidist")
 class PipelineStrategy(Strategy):
     """Pipeline parallelism combined with data parallelism (and optionally ZeRO-1)."""
     name = "pipeline"
+    keys = ("stages", "microbatches", "schedule", "recompute", "virtual", "partition", "cuts", "zero")
+    accumulates = False
+    accumulation_hint = "; the pipeline's micro-batches already split each step: raise microbatches"
+
+    @classmethod
+    def config_errors(cls, parallel: dict, world_size: int | None = None) -> list[str]:
+        errors = super().config_errors(parallel, world_size)
+        if world_size is not None and world_size % parallel["stages"]:
+            errors.append(f"[parallel] stages = {parallel['stages']} must divide the {world_size} ranks")
+        return errors
 
     def __init__(self, config: dict, comm, meta: dict, *, dtype=np.float32,
                  make_optimizer=None):
         """dtype: of parameters, gradients and activations. make_optimizer(layout, offset,
         count): the optimizer of the stage's range (default: the config's [optim])."""
         super().__init__(config, comm, meta)
-        check_support(config)       # [parallel] compression / accumulation it cannot honour
         p = config["parallel"]
         pp, m, virtual = p["stages"], p["microbatches"], p.get("virtual", 1)
         if comm.size % pp:

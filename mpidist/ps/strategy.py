@@ -5,28 +5,10 @@ Server ranks (placed by the topology) hold the optimizer of their shard and read
 (data_rank None); the W workers read rows chunk(B, w, W) of every global batch. A worker's
 step: pull (waiting as BSP/SSP demand), forward/backward with the loss scaled by W / B,
 push; the servers apply mean-over-workers gradients, so BSP trains exactly like
-data-parallel SGD with the same global batch.
-
-Steps count updates, not pushes. Under BSP every worker makes every step. Under ASP/SSP a
-worker's step is the servers' count of applied pushes / W (it may stay put for a call while
-the servers catch up), so fast workers take over the work of a straggler and every worker
-stops once the servers have made the configured number of steps' worth of updates.
-
-Evaluation: while a worker is still training it evaluates its own rows of the test set
-with its latest parameters (no synchronisation of asynchronous workers); after its last
-step it waits for the final parameters, and the final evaluation is summed over all ranks
-(servers contribute nothing), so every rank reports the same figures.
-
-Segments. Server ranks train nothing: a server's train_step serves until every worker has
-stopped at a common boundary: the end of the run, a checkpoint step ([checkpoint]
-interval), or a pause some rank asked for (a preemption signal, see pause_on). Every rank
-then agrees on the step (the servers' applied pushes / W), at_boundary() is True, and the
-checkpoint hook may save: each server writes its chunk() of the parameters and of its
-optimizer state, each worker its clock (ps/clock, (W,)), so the file holds the same
-params/ and optim/ tensors as a data-parallel one. Between boundaries a worker's steps
-are its own (at_boundary() False). Resuming reads the shards by chunk() for any number of
-servers, and the clocks when the number of workers is the same (else every worker starts
-at the step); a data-parallel or ZeRO checkpoint loads too, and a ps one into them.
+data-parallel SGD with the same global batch. Under ASP/SSP steps count the servers'
+updates, not a worker's pushes, and checkpoints are taken at boundaries where every rank
+stands at the same step (ParameterServerStrategy says how). See docs/ARCHITECTURE.md
+("Parameter server and ADMM").
 """
 from __future__ import annotations
 
@@ -36,13 +18,14 @@ import os
 import time
 
 import numpy as np
-from mpidist.engine.config import check_support
-from mpidist.engine.strategy import (StateDict, Strategy, TensorPiece, build_model_from_config,
-                                     build_optimizer_from_config, flat_pieces, read_flat, read_params)
+
+from mpidist.engine.builders import build_model_from_config, build_optimizer_from_config
+from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.ps.consistency import Consistency, Straggler, format_histogram
 from mpidist.ps.server import ParameterServer
+from mpidist.state import StateDict, TensorPiece, flat_pieces, read_flat, read_params
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -50,12 +33,44 @@ log = logging.getLogger("mpidist")
 
 
 class ParameterServerStrategy(Strategy):
-    """[parallel] strategy = "ps": consistency, servers, staleness, straggler, straggler_mode."""
+    """[parallel] strategy = "ps": consistency, servers, staleness, straggler, straggler_mode.
+
+    Steps count updates, not pushes. Under BSP every worker makes every step. Under ASP/SSP
+    a worker's step is the servers' count of applied pushes / W (it may stay put for a call
+    while the servers catch up), so fast workers take over the work of a straggler and every
+    worker stops once the servers have made the configured number of steps' worth of updates.
+
+    Evaluation: while a worker is still training it evaluates its own rows of the test set
+    with its latest parameters (no synchronisation of asynchronous workers); after its last
+    step it waits for the final parameters, and the final evaluation is summed over all
+    ranks (servers contribute nothing), so every rank reports the same figures.
+
+    Segments. Server ranks train nothing: a server's train_step serves until every worker
+    has stopped at a common boundary: the end of the run, a checkpoint step ([checkpoint]
+    interval), or a pause some rank asked for (a preemption signal, see pause_on). Every
+    rank then agrees on the step (the servers' applied pushes / W), at_boundary() is True,
+    and the checkpoint hook may save: each server writes its chunk() of the parameters and
+    of its optimizer state, each worker its clock (ps/clock, (W,)), so the file holds the
+    same params/ and optim/ tensors as a data-parallel one. Between boundaries a worker's
+    steps are its own (at_boundary() False). Resuming reads the shards by chunk() for any
+    number of servers, and the clocks when the number of workers is the same (else every
+    worker starts at the step); a data-parallel or ZeRO checkpoint loads too, and a ps one
+    into them.
+    """
     name = "ps"
+    keys = ("consistency", "servers", "staleness", "straggler", "straggler_mode")
+    compresses = accumulates = False
+
+    @classmethod
+    def config_errors(cls, parallel: dict, world_size: int | None = None) -> list[str]:
+        errors = super().config_errors(parallel, world_size)
+        if world_size is not None and parallel["servers"] >= world_size:
+            errors.append(f"[parallel] servers = {parallel['servers']} leaves no worker among "
+                          f"{world_size} ranks")
+        return errors
 
     def __init__(self, config: dict, comm, meta: dict, *, timeout: float = 300.0):
         super().__init__(config, comm, meta)
-        check_support(config)       # [parallel] compression / accumulation it cannot honour
         p = config["parallel"]
         if p["consistency"] != "ssp" and p["staleness"]:
             raise ConfigError("[parallel] staleness applies to consistency = 'ssp' only")

@@ -1,24 +1,16 @@
 """The part of a ZeRO step every stage shares; the stages differ in what a rank keeps whole.
 
     ZeroEngine.train_step(x, y):
-      1. forward and backward            (of each micro-batch with accumulation; stage 3:
-                                          each layer's parameters gathered around it)
-      2. gradients onto their owners     (stage 1: one reduce-scatter after the last backward;
-                                          stages 2, 3: bucket by bucket during each backward,
-                                          added into the gradient shard)
-      3. optimizer on my shard           (fp32 master and states of [offset, offset+count)
-                                          only; LARS/LAMB norms summed over the shards first;
-                                          NaN/Inf on any rank skips the step on all)
-With a 1-bit optimizer (mpidist.optim.onebit) past its warm-up, step 2 sends the local
-momentum instead of the gradient: stage 1 after backward, stages 2 and 3 bucket by bucket,
-each through the momentum's compressed reduce-scatter (worker error feedback per bucket),
-and step 3 first averages my shard with server error feedback (mpidist.engine.onebit).
-      4. parameters back to every rank   (stages 1, 2: allgather; stage 3: nothing, gathered
-                                          on demand in the next forward)
-
-Shards are the chunk() partition of the flat layout (Layout.shard), uneven sizes allowed.
-Gradients are SUMMED across ranks with the loss normalised by the global batch, as the
-data-parallel engine does, so a step equals the data-parallel step on the same global batch.
+      1. forward and backward         (per micro-batch; stage 3: each layer's parameters
+                                       gathered around it)
+      2. gradients onto their owners  (stage 1: one reduce-scatter after the last backward;
+                                       stages 2, 3: bucket by bucket during each backward)
+      3. optimizer on my shard        (fp32 masters; LARS/LAMB norms summed over shards;
+                                       NaN/Inf on any rank skips the step on all)
+      4. parameters back to all       (stages 1, 2: allgather; stage 3: on demand)
+Shards are chunk() of the flat layout (Layout.shard). Gradients are SUMMED with the loss
+normalised by the global batch, so a step equals the data-parallel step. A 1-bit optimizer
+past its warm-up sends its local momentum in step 2 instead (mpidist.engine.onebit).
 """
 from __future__ import annotations
 
@@ -33,11 +25,11 @@ from mpidist.collectives import allgather, allreduce
 from mpidist.comm import as_communicator
 from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.onebit import OnebitDriver, is_onebit
-from mpidist.engine.strategy import StateDict, flat_pieces, read_flat, read_params
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module
 from mpidist.nn.loss import SoftmaxCrossEntropy
 from mpidist.partition import chunk
+from mpidist.state import StateDict, flat_pieces, read_flat, read_params
 from mpidist.zero.exchange import ShardMap
 from mpidist.zero.memory import InFlight, MemoryReport, nbytes
 from mpidist.zero.units import find_units, placeholder

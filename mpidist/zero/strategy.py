@@ -1,30 +1,25 @@
 """`strategy = "zero"` in a job config: [parallel] stage = 1 | 2 | 3, dtype, bucket_mb,
-accumulation, compression (compression_options, compression_warmup, compression_allreduce):
-stage 1 sums the gradients by the compressed allreduce, as the dp strategy with
-bucket_mb = 0; stages 2 and 3 send each bucket by the compressed reduce-scatter (not
-powersgd).
-
-dtype = "bfloat16" or "float16" keeps parameters and gradients in two bytes with fp32
-master weights in the optimizer (mixed precision); inputs stay fp32, so NumPy multiplies
-the half-precision weights in fp32.
+accumulation, compression (stage 1: by the compressed allreduce, as dp with bucket_mb = 0;
+stages 2, 3: each bucket by the compressed reduce-scatter, so not powersgd).
 
 Every rank is a data-parallel replica reading its rows of the global batch (as with "dp");
-the model states are partitioned over the ranks as the stage says. The loss and gradients
-are normalised exactly as the data-parallel strategy does them, so a ZeRO run follows the
-data-parallel run of the same config step for step. Each rank's memory report is printed at
-start (rank 0 prints every rank's) and returned in every step's metrics (mem_* keys).
-[parallel] algorithm does not apply: stage 1 uses the ring reduce-scatter and allgather,
-stages 2 and 3 the sharded exchanges of mpidist.zero.exchange.
+the model states are partitioned over the ranks as the stage says. Loss and gradients are
+normalised as dp does them, so a ZeRO run follows the dp run of the same config step for
+step. dtype = "bfloat16" / "float16" keeps parameters and gradients in two bytes with fp32
+masters in the optimizer. Each rank's memory report is logged at start and returned in every
+step's metrics (mem_* keys). [parallel] algorithm does not apply: stage 1 uses the ring
+reduce-scatter and allgather, stages 2 and 3 the exchanges of mpidist.zero.exchange.
 """
 from __future__ import annotations
 
 import logging
 
-from mpidist.engine.config import check_support
-from mpidist.engine.strategy import (StateDict, Strategy, build_compression, build_model_from_config,
-                                     lr_schedule)
+from mpidist.compress import COMPRESSORS
+from mpidist.engine.builders import build_compression, build_model_from_config, lr_schedule
+from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.optim import build_optimizer
+from mpidist.state import StateDict
 from mpidist.zero import build_zero, check_stage
 
 __all__ = ["ZeroStrategy"]
@@ -35,6 +30,19 @@ log = logging.getLogger("mpidist")
 class ZeroStrategy(Strategy):
     """ZeRO stage 1, 2 or 3 over the whole communicator (one data-parallel group)."""
     name = "zero"
+    keys = ("stage", "dtype")
+
+    @classmethod
+    def config_errors(cls, parallel: dict, world_size: int | None = None) -> list[str]:
+        """Compression at stages 2 and 3 needs payloads that decode one by one."""
+        errors = super().config_errors(parallel, world_size)
+        compressor = COMPRESSORS.get(parallel["compression"])   # an unknown name: engine.config's
+        if parallel["stage"] != 1 and not getattr(compressor, "decodes_alone", True):
+            errors.append(f"[parallel] compression = {parallel['compression']!r} works with zero "
+                          f"stage = 1 only (stages 2 and 3 reduce-scatter gradient buckets, and "
+                          f"its payloads decode only once summed over all ranks); use stage = 1 "
+                          f"or another compressor")
+        return errors
 
     def __init__(self, config: dict, comm, meta: dict):
         super().__init__(config, comm, meta)
@@ -43,7 +51,6 @@ class ZeroStrategy(Strategy):
             stage = check_stage(p["stage"])
         except ValueError as exc:
             raise ConfigError(f"[parallel] {exc}") from None
-        check_support(config)       # compression: not powersgd at stages 2, 3
 
         def make_optimizer(layout, offset, count, dtype):
             return build_optimizer(o["name"], layout, lr=lr_schedule(config), **o["hyper"],

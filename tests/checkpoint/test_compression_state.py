@@ -13,8 +13,8 @@ from mpidist.engine.compression_state import (compression_pieces, compression_sc
                                               restore_compression)
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
-from mpidist.engine.strategy import InMemoryState, StateDict, gather_state
 from mpidist.flat import Layout
+from mpidist.state import InMemoryState, StateDict, gather_state
 
 LAYOUT = Layout([("fc.weight", (6, 5)), ("fc.bias", (5,)), ("out.weight", (4, 5))])
 BUCKETS = [(0, 30), (30, 25)]          # two buckets of whole tensors

@@ -34,12 +34,13 @@ import pytest
 from mpi4py import MPI
 
 from mpidist.checkpoint import open_checkpoint
-from mpidist.checkpoint.hook import make_hook
+from mpidist.checkpoint.hook import CheckpointHook
 from mpidist.comm import Communicator
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
-from mpidist.engine.strategy import build_strategy, gather_state
 from mpidist.engine.metrics import read_metrics
+from mpidist.engine.strategies import build_strategy
+from mpidist.state import gather_state
 
 SAVE_AT, STEPS = 4, 7        # 96 training rows / batch 32 = 3 steps per epoch
 DOUBLE = (0, 2, 3, 1)        # x -> 2x in GF(4) = {0, 1, 2 = t, 3 = t + 1}, t^2 = t + 1
@@ -213,7 +214,7 @@ def _resumed_state(comm, config: dict):
     gather its state whole (InMemoryState) on every rank."""
     config = {**config, "job": {**config["job"], "total_steps": STEPS, "steps_per_epoch": 3}}
     strategy = build_strategy(config, comm, {"kind": "classification", "in_shape": [8], "classes": 4})
-    hook = make_hook(config, comm)
+    hook = CheckpointHook(config, comm)
     try:
         assert hook.resume(strategy)
     finally:

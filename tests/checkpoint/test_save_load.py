@@ -256,7 +256,7 @@ class _Strategy:
         self.comm, self.step, self.w = comm, 0, np.zeros(n)
 
     def state_dict(self):
-        from mpidist.engine.strategy import StateDict, TensorPiece
+        from mpidist.state import StateDict, TensorPiece
         o, c = chunk(self.w.size, self.comm.rank, self.comm.size)
         return StateDict(self.step, {"params/w": TensorPiece((self.w.size,), o, self.w[o:o + c])},
                          {"optim_step": self.step})
@@ -267,10 +267,10 @@ class _Strategy:
 
 
 def test_training_hook_saves_resumes_and_stops_on_signal(comm, shared_dir):
-    from mpidist.checkpoint.hook import make_hook
+    from mpidist.checkpoint.hook import CheckpointHook
     config = {"checkpoint": {"dir": shared_dir, "interval": 2, "keep": 2},
               "job": {"steps_per_epoch": 4, "seed": 0}, "parallel": {"strategy": "toy"}}
-    hook = make_hook(config, comm)
+    hook = CheckpointHook(config, comm)
     s = _Strategy(comm)
     try:
         assert hook.resume(s) is False
@@ -296,7 +296,7 @@ def test_training_hook_saves_resumes_and_stops_on_signal(comm, shared_dir):
     # a new run (same world size) resumes the tensors, the step and each rank's RNG
     np.random.seed(99)
     again = _Strategy(comm)
-    hook = make_hook(config, comm)
+    hook = CheckpointHook(config, comm)
     try:
         assert hook.resume(again) is True
     finally:
@@ -304,7 +304,7 @@ def test_training_hook_saves_resumes_and_stops_on_signal(comm, shared_dir):
     assert again.step == 4 and np.array_equal(again.w, np.full(10, 10.0))
     assert np.array_equal(np.random.rand(3), np.random.RandomState(1234 + comm.rank).rand(3))
     with pytest.raises(IncompatibleCheckpointError, match="params/w"):
-        hook = make_hook(config, comm)
+        hook = CheckpointHook(config, comm)
         try:
             hook.resume(_Strategy(comm, n=12))
         finally:

@@ -195,9 +195,9 @@ def test_training_converges_with_every_optimizer(comm, optimizer, hyper):
     w = rng.standard_normal((20, 8)).astype(np.float32)
     dopt = DistributedOptimizer.for_arrays(
         [w], lambda layout: build_optimizer(optimizer, layout, weight_decay=0.0, **hyper),
-        names=["w.weight"], comm=comm, compression="topk", bucket_mb=0,
-        compression_options={"ratio": 0.05, "warmup": [[0.5, 5], [0.2, 5]], "momentum": 0.5,
-                             "clip_norm": 10.0})
+        names=["w.weight"], comm=comm, bucket_mb=0,
+        compression=make_compressor("topk", ratio=0.05, warmup=[[0.5, 5], [0.2, 5]], momentum=0.5,
+                                    clip_norm=10.0))
     share = 2.0 * (comm.rank + 1) / (comm.size + 1)       # the average over ranks is 1
 
     def loss():

@@ -6,8 +6,9 @@ import tempfile
 
 import pytest
 
-from mpidist.engine.config import SCHEMA, check_support, format_schema, load_config, validate
-from mpidist.engine.train import _parse_override
+from mpidist.engine.config import SCHEMA, format_schema, load_config, validate
+from mpidist.engine.strategies import STRATEGIES
+from mpidist.engine.train import parse_override
 from mpidist.errors import ConfigError
 
 JOBS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "*.toml")))
@@ -79,7 +80,7 @@ def test_strategies_reject_what_they_cannot_honour(parallel, message):
     cfg = validate({"parallel": {"strategy": parallel["strategy"]}})
     cfg["parallel"].update(parallel)                  # a config that skipped validate
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_support(cfg)
+        STRATEGIES[parallel["strategy"]].check_support(cfg)
     for ok in ("dp", "zero", "pipeline"):
         validate({"parallel": {"strategy": ok, "compression": "fp16"}})
     validate({"parallel": {"strategy": "zero", "accumulation": 2}})
@@ -92,11 +93,11 @@ def test_shipped_jobs_are_valid(path):
 
 
 def test_overrides_parse_toml_values():
-    assert _parse_override("job.epochs=3") == ("job.epochs", 3)
-    assert _parse_override("parallel.algorithm=tree") == ("parallel.algorithm", "tree")
-    assert _parse_override("model.hidden=[8, 8]") == ("model.hidden", [8, 8])
+    assert parse_override("job.epochs=3") == ("job.epochs", 3)
+    assert parse_override("parallel.algorithm=tree") == ("parallel.algorithm", "tree")
+    assert parse_override("model.hidden=[8, 8]") == ("model.hidden", [8, 8])
     with pytest.raises(ValueError, match="section.key"):
-        _parse_override("epochs=3")
+        parse_override("epochs=3")
 
 
 def test_bad_config_gives_the_same_error_on_every_rank(comm):

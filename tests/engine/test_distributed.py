@@ -9,9 +9,9 @@ from mpidist.data import ArrayDataset, DistributedSampler, iterate, synthetic_ar
 from mpidist.engine.config import validate
 from mpidist.engine.distributed import DistributedOptimizer, make_buckets
 from mpidist.engine.dp import DataParallel
-from mpidist.engine.strategy import InMemoryState, gather_state
 from mpidist.flat import FlatBuffer, Layout
 from mpidist.optim import build_optimizer
+from mpidist.state import InMemoryState, gather_state
 
 
 def _config(optim="sgd", hyper=None, lr=0.05, **parallel):
@@ -252,3 +252,27 @@ def test_optimizer_state_is_broadcast_from_rank_0(comm):
     params.data[...] = comm.rank
     DistributedOptimizer(opt, params, params.zeros_like(), comm=comm)
     assert np.all(params.data == 0) and all(np.all(b == 1) for b in opt.state_buffers().values())
+
+
+def test_compression_is_one_object_a_compressor_or_a_compressed_allreduce(comm):
+    """A compressor (or its name) is summed by a CompressedAllreduce with nonfinite="skip";
+    a CompressedAllreduce given whole is used as it is (its warm-up here): the same steps."""
+    from mpidist.compress import CompressedAllreduce, make_compressor
+
+    def run(compression):
+        w = np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6)
+        dopt = DistributedOptimizer.for_arrays([w], lambda lay: build_optimizer("sgd", lay, lr=0.1),
+                                               comm=comm, compression=compression, bucket_mb=0)
+        for step in range(3):
+            dopt.step([w * (comm.rank + 1) + step])
+        return w, dopt.compressed
+
+    by_name, ca = run("fp16")
+    assert ca.nonfinite == "skip" and ca.warmup_steps == 0
+    by_compressor, _ = run(make_compressor("fp16"))
+    warm, ca = run(CompressedAllreduce(make_compressor("fp16"), comm, warmup_steps=3, nonfinite="skip"))
+    plain, none = run(None)
+    assert none is None and ca.warmup_steps == 3
+    assert by_name.tobytes() == by_compressor.tobytes()
+    np.testing.assert_allclose(warm, plain, rtol=1e-6)   # warm-up: the float32 sum
+    comm.check_same(by_name.tobytes(), "parameters after fp16 steps")

@@ -59,22 +59,18 @@ def test_a_setup_failure_on_one_rank_raises_on_every_rank(comm):
         _agreed(comm, fails_on_last, ConfigError)
 
 
-def test_unknown_or_missing_strategy_is_a_config_error(comm):
-    from mpidist.engine.strategy import STRATEGIES, build_strategy, register_strategy
+def test_unknown_strategy_is_a_config_error_and_the_schema_lists_every_strategy(comm):
+    from mpidist.engine.schema import SCHEMA
+    from mpidist.engine.strategies import STRATEGIES, build_strategy
+    from mpidist.engine.strategy import Strategy
     from mpidist.errors import ConfigError
     cfg = _cfg("/tmp/unused", "/tmp/unused", plot=False)
-    register_strategy("nowhere", "mpidist.no_such_module:Factory")
-    try:
-        cfg["parallel"]["strategy"] = "nowhere"
-        with pytest.raises(ConfigError, match="not available"):
-            build_strategy(cfg, comm, {})
-        cfg["parallel"]["strategy"] = "warp"
-        with pytest.raises(ConfigError, match="unknown parallel.strategy 'warp'"):
-            build_strategy(cfg, comm, {})
-    finally:
-        del STRATEGIES["nowhere"]
-    with pytest.raises(ValueError, match="module:factory"):
-        register_strategy("x", "no_colon")
+    cfg["parallel"]["strategy"] = "warp"
+    with pytest.raises(ConfigError, match="unknown parallel.strategy 'warp'"):
+        build_strategy(cfg, comm, {})
+    assert list(STRATEGIES) == ["dp", "zero", "pipeline", "ps", "admm"]
+    assert all(issubclass(cls, Strategy) and cls.name == name for name, cls in STRATEGIES.items())
+    assert SCHEMA["parallel"]["strategy"].choices == tuple(STRATEGIES)
 
 
 def test_resume_mid_epoch_continues_the_same_curve(comm, shared_dir):

@@ -16,9 +16,9 @@ import pytest
 from mpidist.checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, open_checkpoint
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
-from mpidist.engine.strategy import gather_state
 from mpidist.launcher import mpiexec_argv
 from mpidist.ps.strategy import ParameterServerStrategy
+from mpidist.state import gather_state
 from tests.checkpoint.test_jobs import ROOT, _wait_for, clean_env
 
 META = {"kind": "classification", "in_shape": (64,), "classes": 10}

@@ -5,8 +5,9 @@ residuals and the velocity; PowerSGD is refused."""
 import numpy as np
 import pytest
 
-from mpidist.engine.strategy import build_strategy, gather_state
+from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError
+from mpidist.state import gather_state
 from tests.zero.test_strategy import BATCH, META, config
 
 

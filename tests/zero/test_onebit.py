@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from mpidist.engine.config import validate
-from mpidist.engine.strategy import build_strategy, gather_state
+from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError
+from mpidist.state import gather_state
 
 META = {"kind": "classification", "in_shape": [7], "classes": 3}
 BATCH, STEPS, FREEZE = 12, 8, 3

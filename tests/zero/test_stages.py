@@ -12,11 +12,11 @@ from mpi4py import MPI
 
 from mpidist.collectives import allreduce
 from mpidist.comm import Communicator
-from mpidist.engine.strategy import gather_state
 from mpidist.flat import FlatBuffer, Layout
 from mpidist.nn import CNN, GPT, MLP, Linear, Module, Sequential, SoftmaxCrossEntropy
 from mpidist.optim import build_optimizer
 from mpidist.partition import chunk
+from mpidist.state import gather_state
 from mpidist.zero import build_zero, model_state_bytes
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

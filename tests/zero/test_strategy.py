@@ -10,8 +10,9 @@ import pytest
 
 from mpidist import launcher
 from mpidist.engine.config import validate
-from mpidist.engine.strategy import build_strategy, gather_state
+from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError
+from mpidist.state import gather_state
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 META = {"kind": "classification", "in_shape": [7], "classes": 3}
