@@ -74,53 +74,6 @@ class Schedule:
         raise ValueError(f"{action} is not a transfer")
 
 
-class Action(NamedTuple):
-    """One step of a rank's program: kind, micro-batch, virtual stage."""
-    kind: str
-    microbatch: int
-    stage: int
-
-    def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}@{self.stage}"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Per-rank programs of one pipeline step, with the bound on stashed activations.
-
-    bound[r]: the most forwards rank r may have run whose backward has not run yet,
-    counted in micro-batch chunks (one micro-batch through one virtual stage).
-    """
-    name: str
-    pp: int
-    microbatches: int
-    virtual: int
-    programs: tuple[tuple[Action | None, ...], ...]
-    bound: tuple[int, ...]
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.virtual
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.pp
-
-    def local_stages(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_stages, self.pp))
-
-    def slots(self, rank: int) -> list[Action | None]:
-        """The rank's compute steps and bubbles, one per step of the grid."""
-        return [a for a in self.programs[rank] if a is None or a.kind in COMPUTE]
-
-    def peer(self, action: Action) -> int:
-        """The rank a transfer action talks to."""
-        if action.kind in (RECV_F, SEND_B):
-            return self.rank_of(action.stage - 1)
-        if action.kind in (SEND_F, RECV_B):
-            return self.rank_of(action.stage + 1)
-        raise ValueError(f"{action} is not a transfer")
-
-
 def dependencies(a: Action, num_stages: int) -> list[Action]:
     """The compute actions that must finish before `a` can start."""
     i, s = a.microbatch, a.stage
