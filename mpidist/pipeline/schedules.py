@@ -78,54 +78,6 @@ def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
     return order + bwd[len(fwd) - warmup:]
 
 
-def _gpipe_order(pp: int, m: int, rank: int) -> list[Action]:
-    """All forwards, then all backwards (in reverse, so the last stash is freed first)."""
-    return ([Action(FORWARD, i, rank) for i in range(m)]
-            + [Action(BACKWARD, i, rank) for i in reversed(range(m))])
-
-
-def _one_f_one_b_order(pp: int, m: int, rank: int) -> list[Action]:
-    """Warm-up forwards, then one forward / one backward, then the remaining backwards.
-
-    Rank r runs pp - r - 1 warm-up forwards, so at most pp - r activations are stashed.
-    """
-    warmup = min(pp - rank - 1, m)
-    order = [Action(FORWARD, i, rank) for i in range(warmup)]
-    for k in range(m - warmup):
-        order += [Action(FORWARD, warmup + k, rank), Action(BACKWARD, k, rank)]
-    order += [Action(BACKWARD, i, rank) for i in range(m - warmup, m)]
-    return order
-
-
-def _interleaved_sequence(pp: int, m: int, v: int, rank: int, backward: bool) -> list[Action]:
-    """Micro-batches in groups of pp; each group runs through every chunk before the next
-    group starts (chunks in order for forwards, reversed for backwards)."""
-    kind = BACKWARD if backward else FORWARD
-    chunks = range(v - 1, -1, -1) if backward else range(v)
-    seq = []
-    for g in range(0, m, pp):
-        for c in chunks:
-            seq += [Action(kind, i, c * pp + rank) for i in range(g, min(g + pp, m))]
-    return seq
-
-
-def _interleaved_warmup(pp: int, m: int, v: int, rank: int) -> int:
-    """Rank r runs its first chunk's warm-up like 1F1B, plus one group per extra chunk,
-    so at most (pp - r) + (v - 1) pp chunks, i.e. pp micro-batches' worth, are stashed."""
-    return min(m * v, (pp - rank - 1) + (v - 1) * pp)
-
-
-def _interleaved_order(pp: int, m: int, v: int, rank: int) -> list[Action]:
-    """1F1B over virtual stages: warm-up forwards, then alternate, then the backwards."""
-    fwd = _interleaved_sequence(pp, m, v, rank, backward=False)
-    bwd = _interleaved_sequence(pp, m, v, rank, backward=True)
-    warmup = _interleaved_warmup(pp, m, v, rank)
-    order = fwd[:warmup]
-    for k in range(len(fwd) - warmup):
-        order += [fwd[warmup + k], bwd[k]]
-    return order + bwd[len(fwd) - warmup:]
-
-
 # ----------------------------------------------------------------------- placement
 def _place(orders: list[list[Action]], num_stages: int) -> list[list[Action | None]]:
     """Run the per-rank orders on a grid of equal steps: at each step a rank runs its
