@@ -7,8 +7,7 @@ PyTorch, with the float64 hyperparameters rounded to float32 once and no fused
 multiply-add, so the NumPy reference (mpidist.optim.reference) gives the same bits; sums of
 squares accumulate in float64 over LANES interleaved partial sums (vectorised, in a fixed
 order). Each update is one fused pass; reductions are per chunk, summed per segment by the
-caller. Options are arguments, not specialisations, so a new process loads the cached
-functions (`cache=True`) and compiles nothing. See docs/ARCHITECTURE.md (kernels).
+caller. Options are arguments, not specialisations. See docs/ARCHITECTURE.md (optimizers).
 """
 import numba
 import numpy as np
@@ -338,16 +337,19 @@ class CPUKernels:
             numba.set_num_threads(threads)
 
     def all_finite(self, g) -> bool:
+        """Whether every element of g is finite."""
         out = np.empty(self.lo.shape[0], np.uint32)
         self._run(_max_exponent, g.view(np.uint32), self.lo, self.hi, out)
         return bool(np.all(out != _EXP))
 
     def sumsq_pg(self, p, g, gscale):
+        """(nseg, 2) float64: sums of w^2 and (gscale*g)^2 per segment (LARS's norms)."""
         out = np.empty((self.lo.shape[0], 2), np.float64)
         self._run(sumsq_pg, p, g, gscale, self.lo, self.hi, out)
         return segment_totals(out, self.seg, self.nseg)
 
     def lamb_sums(self, p, g, m, v, vmax, seg_wd, gscale, b1, b2, eps, bc1, bc2, amsgrad):
+        """LAMB phase 1, reads only: (nseg, 3) float64 sums of w^2, u^2, (gscale*g)^2."""
         out = np.empty((self.lo.shape[0], 3), np.float64)
         self._run(lamb_sums, p, g, m, v, vmax, self.lo, self.hi, self.seg, _f32(seg_wd), gscale,
                   b1, b2, eps, bc1, bc2, amsgrad, out)
@@ -355,15 +357,18 @@ class CPUKernels:
 
     def adam_update(self, p, g, m, v, vmax, seg_wd, seg_c, gscale, b1, b2, eps, bc1, bc2,
                     amsgrad):
+        """Fused AdamW / LAMB phase 2: m, v (and vmax with amsgrad) updated, w -= c_s * (r + wd_s w)."""
         self._run(adam_update, p, g, m, v, vmax, self.lo, self.hi, self.seg, _f32(seg_wd),
                   _f32(seg_c), gscale, b1, b2, eps, bc1, bc2, amsgrad)
 
     def momentum_update(self, p, g, buf, seg_wd, seg_c, gscale, decay, mom, lr, nesterov,
                         use_buf):
+        """Fused SGD / LARS step (the formula is the module function momentum_update's)."""
         self._run(momentum_update, p, g, buf, self.lo, self.hi, self.seg, _f32(seg_wd),
                   _f32(seg_c), gscale, decay, mom, lr, nesterov, use_buf)
 
     def onebit_momentum(self, m, g, den, b1, mult):
+        """1-bit local momentum into g: (b1 m + (1 - b1) mult g) / den (0 where den = 0)."""
         n = int(g.shape[0])
         if n < PARALLEL_MIN:
             threads = numba.get_num_threads()
@@ -376,6 +381,7 @@ class CPUKernels:
             onebit_momentum(m, g, den, b1, mult)
 
     def onebit_adam_update(self, p, m, v, mstate, seg_wd, seg_c, bc1, bc2, eps):
+        """1-bit Adam after the freeze: w -= c_s (r + wd_s w), r over the frozen variance; mstate = m."""
         self._run(onebit_adam_update, p, m, v, mstate, self.lo, self.hi, self.seg,
                   _f32(seg_wd), _f32(seg_c), bc1, bc2, eps)
 
@@ -389,5 +395,6 @@ class CPUKernels:
 
     def onebit_lamb_update(self, p, m, m_old, v, vf, seg_wd, seg_c, b1, b2, eps, bc1, bc2,
                            bc2f):
+        """1-bit LAMB phase 2: the fresh variance vf updated, w -= c_s u; m_old = m."""
         self._run(onebit_lamb_update, p, m, m_old, v, vf, self.lo, self.hi, self.seg,
                   _f32(seg_wd), _f32(seg_c), b1, b2, eps, bc1, bc2, bc2f)

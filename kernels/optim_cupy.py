@@ -233,7 +233,8 @@ def _cupy_kernels():
 
 
 class CuPyKernels:
-    """The CuPy kernels bound to one optimizer's Plan (piece and chunk tables on the device)."""
+    """The CuPy kernels bound to one optimizer's Plan (piece and chunk tables on the device);
+    the methods are kernels.optim_cpu.CPUKernels's, documented there."""
 
     def __init__(self, plan):
         cp = _cupy()

@@ -256,7 +256,8 @@ def _cu_onebit_lamb_sums(p, m, mo, v, vf, lo, hi, seg, seg_wd, B1, C1, B2, C2, D
 
 class NumbaCudaKernels:
     """The numba.cuda kernels bound to one optimizer's Plan; arrays are CuPy on a GPU, or
-    NumPy under the CUDA simulator."""
+    NumPy under the CUDA simulator. The methods are kernels.optim_cpu.CPUKernels's, documented
+    there."""
 
     def __init__(self, plan):
         # the simulator runs every thread as a Python thread: small blocks there
