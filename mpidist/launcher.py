@@ -141,7 +141,10 @@ def mpi_env(n: int = 1, base: dict | None = None, ft: bool = False) -> dict:
     if mpi_vendor() == "openmpi":
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+        if n > cores:
+            # more ranks than cores: a rank waiting for a message gives its core away (with a
+            # core each, polling answers in a microsecond where yielding takes tens)
+            env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
         if not (shutil.which("ssh") or shutil.which("rsh")):
             # the ranks are local, but Open MPI 4's rsh launcher refuses to start without an
