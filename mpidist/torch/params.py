@@ -55,6 +55,8 @@ def check_params(named, optimizer) -> None:
     for name, p in named:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameter {name!r} is a {type(p).__name__}, not a torch tensor")
+        if p.device.type == "meta":         # no storage to compare (the device check says no)
+            continue
         if p.data_ptr() in seen and p.numel() > 0:
             raise ValueError(f"parameter {name!r} is the same tensor as {seen[p.data_ptr()]!r}; "
                              f"pass each parameter once (model.parameters() removes duplicates)")
