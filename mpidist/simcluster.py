@@ -342,6 +342,7 @@ class SimCluster:
         self.close()
 
     def describe(self) -> str:
+        """One line: nodes, ranks per node, link rate."""
         link = self.bandwidth or "unshaped"
         return (f"{self.nodes} node(s) x {self.ranks_per_node} rank(s), {link} links "
                 f"through one switch (network namespaces {self.name}-*)")

@@ -42,9 +42,11 @@ class ArrayDataset(_Closing):
         self.n = len(x)
 
     def read(self, indices):
+        """(x, y) of the given rows."""
         return self.x[indices], self.y[indices]
 
     def close(self):
+        """Nothing to release (in memory)."""
         pass
 
 
@@ -63,6 +65,7 @@ class H5Dataset(_Closing):
                      "source": str(attrs.get("source", path)), "n": self.n}
 
     def read(self, indices):
+        """(x, y) of the given rows, read from the file (any order; sorted reads inside)."""
         indices = np.asarray(indices, dtype=np.int64)
         if indices.size == 0:
             return (np.empty((0, *self.x.shape[1:]), self.x.dtype), np.empty(0, self.y.dtype))
@@ -70,6 +73,7 @@ class H5Dataset(_Closing):
         return self.x[rows][inverse], self.y[rows][inverse]
 
     def close(self):
+        """Close the file."""
         self.file.close()
 
 
@@ -89,6 +93,7 @@ class H5TextDataset(_Closing):
                      "source": str(self.file.attrs.get("source", path)), "n": self.n}
 
     def read(self, indices):
+        """(x, y): the block+1-byte windows starting at the given offsets, y shifted by one."""
         indices = np.asarray(indices, dtype=np.int64)
         b = self.block
         win = np.empty((len(indices), b + 1), dtype=np.int64)
@@ -97,6 +102,7 @@ class H5TextDataset(_Closing):
         return win[:, :-1], win[:, 1:]
 
     def close(self):
+        """Close the file."""
         self.file.close()
 
 

@@ -51,6 +51,7 @@ class DistributedSampler:
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order batches() follows (the same on every rank)."""
         self.epoch = int(epoch)
 
     def batches(self):

@@ -39,9 +39,11 @@ class Module:
 
     # -- declaration ------------------------------------------------------------------
     def add_param(self, name: str, shape) -> None:
+        """Declare a parameter of this leaf layer (bound later by bind())."""
         self._params.append((name, tuple(int(s) for s in shape)))
 
     def add_child(self, name: str, module: Module) -> Module:
+        """Register a sub-module; its parameters are named `name.<its names>`."""
         if not isinstance(module, Module):
             raise TypeError(f"child {name!r} must be an mpidist.nn.Module, got {type(module).__name__}")
         self._children.append((name, module))

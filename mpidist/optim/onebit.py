@@ -218,6 +218,7 @@ class OnebitLAMB(_Onebit, LAMB):
             setattr(self, key, value.copy())
 
     def partial_sums(self, params, grads, *, loss_scale: float = 1.0) -> np.ndarray:
+        """As LAMB's during the warm-up; after the freeze the sums are taken inside step()."""
         if self.frozen:
             raise RuntimeError("after the warm-up 1-bit LAMB sums over the averaged momentum "
                                "inside step(); call step(params, momentum, reduce_norms)")

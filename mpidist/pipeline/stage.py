@@ -163,6 +163,7 @@ class Stage:
         return [g.bit_generator.state for g in self._rngs]
 
     def set_rng_state(self, state: list) -> None:
+        """Restore the dropout generators' states (the forward re-run under recompute)."""
         for g, s in zip(self._rngs, state):
             g.bit_generator.state = s
 
@@ -171,6 +172,7 @@ class Stage:
         return [{k: v for k, v in vars(m).items() if _is_cache(k, v)} for m in self._modules]
 
     def unstash(self, caches: list[dict]) -> None:
+        """Put the layers' caches of one micro-batch back before its backward."""
         for m, cache in zip(self._modules, caches):
             vars(m).update(cache)
 

@@ -126,6 +126,7 @@ class Windows:
         return int(res[0])
 
     def read(self, target: int, index: int) -> int:
+        """The control word `index` of rank `target`, read atomically."""
         return self.fetch_op(target, index, 0, MPI.NO_OP)
 
     def swap(self, target: int, index: int, new: int) -> int:

@@ -46,6 +46,7 @@ class InFlight:
         self.peak = 0
 
     def add(self, *arrays):
+        """Count arrays as held in flight (each once) and raise the peak."""
         for a in arrays:
             if a is None or id(a) in self._live:
                 continue
@@ -55,11 +56,13 @@ class InFlight:
         return arrays[0] if len(arrays) == 1 else arrays
 
     def drop(self, *arrays) -> None:
+        """No longer count these arrays."""
         for a in arrays:
             if a is not None:
                 self.current -= self._live.pop(id(a), 0)
 
     def reset_peak(self) -> None:
+        """Start a new peak from what is held now."""
         self.peak = self.current
 
 
@@ -87,6 +90,7 @@ class MemoryReport:
         return self.model_states / max(1, self.numel)
 
     def as_metrics(self, prefix: str = "mem_") -> dict:
+        """The byte counts as metrics entries named prefix + field."""
         d = asdict(self)
         out = {prefix + k: d[k] for k in ("params", "grads", "optim", "workspace",
                                           "in_flight", "peak_in_flight")}
@@ -94,6 +98,7 @@ class MemoryReport:
         return out
 
     def format(self) -> str:
+        """One line for the log: MiB per kind and bytes per parameter."""
         mib = 1 << 20
         name = "dp" if self.stage == 0 else f"zero-{self.stage}"
         return (f"rank {self.rank}/{self.size} {name}: params {self.params / mib:.2f} MiB, "

@@ -34,9 +34,11 @@ class Stage1(ZeroEngine):
         self.model.init_params(rng)
 
     def param_shard(self):
+        """My shard of the parameters (a view)."""
         return self.params.data[self.offset:self.offset + self.count]
 
     def grad_shard(self):
+        """My shard of the summed gradients (a view)."""
         return self.grads.data[self.offset:self.offset + self.count]
 
     def _held(self):

@@ -74,6 +74,7 @@ class CostModel:
         self.path: str | None = None               # the cache file it was read from or written to
 
     def candidates(self) -> list[str]:
+        """The algorithms the model can predict on this layout (shm never under ULFM)."""
         names = [a for a in FLAT if a in self.levels["world"]["fits"]]
         if ulfm.active():            # a model probed without fault tolerance may list shm
             names = [a for a in names if a != "shm"]
@@ -109,10 +110,12 @@ class CostModel:
         return min(self.candidates(), key=lambda a: self.predict(a, nbytes))
 
     def to_json(self) -> dict:
+        """The model as JSON-able data (what the cache file holds)."""
         return {"levels": self.levels, "nodes": self.nodes, "per_node": self.per_node}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
+        """The model from to_json()'s data."""
         return cls(d["levels"], d["nodes"], d["per_node"])
 
 
