@@ -1,16 +1,12 @@
 """GPU kernels of the gradient compressors: numba.cuda kernels over CuPy arrays.
 
-Same names and signatures as `compress_cpu`, so a compressor picks its module from the
-data (`mpidist.compress.base.kernels_for`). The per-element formulas are the CPU module's
-scalar functions, compiled for the device from the same Python source (`.py_func`): one
-formula, two devices. Kernels are built on first use and cached, so importing this module
-needs neither CuPy nor a GPU. Under NUMBA_ENABLE_CUDASIM=1 the kernels run in Numba's CUDA
-simulator on NumPy arrays (tiny sizes: the CPU test suite covers them that way).
-
-Reductions and the top-k selection passes use CuPy's own kernels (a ReductionKernel for
-max |x|, an ElementwiseKernel for the |x| >= threshold mask, nonzero, cumsum), which are
-faster than anything hand-written here; written over the array module of the data, they
-run on NumPy arrays under the simulator too.
+Same names and signatures as `compress_cpu`, so a compressor picks its module from the data
+(`mpidist.compress.base.kernels_for`). The per-element formulas are the CPU module's scalar
+functions, compiled for the device from the same Python source (`.py_func`): one formula,
+two devices. Kernels are built on first use and cached, so importing this module needs
+neither CuPy nor a GPU; under NUMBA_ENABLE_CUDASIM=1 they run in Numba's CUDA simulator on
+NumPy arrays. Reductions and the top-k selection passes use CuPy's own kernels (written over
+the array module of the data, so they run on NumPy arrays under the simulator too).
 See docs/ARCHITECTURE.md (compression).
 """
 from __future__ import annotations

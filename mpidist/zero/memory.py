@@ -1,14 +1,8 @@
 """Per-rank memory accounting of model states, measured from the arrays actually allocated.
 
-The ZeRO paper's budget for mixed-precision Adam is K = 12 bytes of optimizer state per
-parameter (fp32 master, momentum, variance) on top of 2 + 2 bytes of fp16 parameters and
-gradients, 16 bytes in all. Partitioned over N data-parallel ranks:
-
-    data parallel   2 + 2 + K        = 16
-    stage 1 (P_os)  2 + 2 + K/N      = 4 + 12/N
-    stage 2 (P_g)   2 + (2 + K)/N    = 2 + 14/N
-    stage 3 (P_p)   (2 + 2 + K)/N    = 16/N
-
+The ZeRO paper's bytes per parameter for mixed-precision Adam (2 + 2 of fp16 parameters and
+gradients, K = 12 of optimizer state), partitioned over N ranks:
+    data parallel 16,  stage 1 (P_os) 4 + 12/N,  stage 2 (P_g) 2 + 14/N,  stage 3 (P_p) 16/N.
 `MemoryReport` holds what a rank measured (the .nbytes of its real buffers: parameters,
 gradients, optimizer states, and the transient buffers in flight: gathered layers, gradient
 buckets, exchange buffers); `model_state_bytes` is the exact per-rank count those formulas

@@ -1,14 +1,9 @@
 """ZeRO stage 3 (P_os+g+p): optimizer states, gradients and parameters partitioned.
 
-A rank keeps only its shard of everything. Around each layer's compute:
-
-    forward,  layer i:  wait for its allgather (started during layer i-1), start the
-                        allgather of layer i+1 (prefetch), compute, release layer i
-    backward, layer i:  the same in reverse order, and the layer's gradients go to a bucket
-                        that is reduce-scattered onto its owners as soon as it is complete
-    step:               the optimizer updates my shard; nothing is broadcast, the next
-                        forward gathers what it needs
-
+A rank keeps only its shard of everything. Forward and backward gather each layer's
+parameters around its compute (the next layer's allgather prefetched during this one's),
+backward reduce-scatters each complete gradient bucket onto its owners, and the optimizer
+updates my shard; nothing is broadcast, the next forward gathers what it needs.
 Communication: allgather (forward) + allgather (backward) + reduce-scatter = 1.5x data
 parallel. Memory per parameter: 16/N bytes with mixed-precision Adam, plus the layers and
 buckets in flight. Initial parameters are made one layer at a time with the same random

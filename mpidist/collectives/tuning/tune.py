@@ -1,18 +1,14 @@
 """`mpidist tune`: measure this layout and write auto's decision table.
 
     python -m mpidist.launcher -n 4 -- mpidist tune --out allreduce-table.json
-    mpiexec -n 64 --map-by ppr:8:node mpidist tune --out table.json
     srun -n 64 mpidist tune --out table.json --sizes 4K,64K,1M,16M,256M
 
-At each size of the ladder the cost model (probed, or loaded from its cache) shortlists
-the algorithms predicted within MARGIN of its best; the built-in rule's choice always
-joins. The shortlist is timed in interleaved rounds (timing.measure_all: the slowest
-rank's time, the same numbers on every rank) and the fastest wins its size, which covers
-the sizes up to the geometric middle between it and the next size of the ladder. Rank 0
-writes the table (select.FORMAT), the timings kept beside each layout as notes; an existing
-file keeps its other layouts, so one file can hold a cluster's several layouts. Point a
-job at it with [parallel] algorithm_table or env MPIDIST_ALGORITHM_TABLE.
-See docs/ARCHITECTURE.md (collectives).
+At each size of the ladder the cost model shortlists the algorithms predicted within MARGIN
+of its best, plus the built-in rule's choice; the shortlist is timed in interleaved rounds
+(timing.measure_all: the same numbers on every rank) and the fastest wins the sizes up to
+the geometric middle to the next size. Rank 0 writes the table (select.FORMAT) with the
+timings as notes; an existing file keeps its other layouts. Point a job at it with
+[parallel] algorithm_table or env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
