@@ -1,6 +1,6 @@
 """A plain single-process PyTorch training script (an MLP on the handwritten digits).
 
-The README's "PyTorch models" section shows the diff that makes it data parallel with
+docs/TORCH.md ("PyTorch models: mpidist.torch") shows the diff that makes it data parallel with
 mpidist.torch: a DistributedOptimizer instead of torch.optim, and each rank reading its
 shard of every batch.
 
