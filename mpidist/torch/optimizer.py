@@ -172,7 +172,11 @@ class DistributedOptimizer:
             _check_onebit(self.optimizer, self.zero, compression)
         except (TypeError, ValueError) as exc:
             error = exc
-        c.raise_if_any(error)
+        try:
+            c.raise_if_any(error)
+        except Exception:
+            self.storage.release()          # every rank is here: free the windows together
+            raise
         self.exchange = self._build_exchange(compression, compression_options)
         self.buckets = GradientBuckets(self.params, self.layout, self.storage, self.exchange, c,
                                        bucket_mb=bucket_mb,
