@@ -6,7 +6,7 @@ Pure Python integers, so any n (also > 2**63 in principle) partitions exactly.
 
 import operator
 
-__all__ = ["chunk", "counts_displs", "owner"]
+__all__ = ["chunk", "counts_displs", "owner", "pieces"]
 
 
 def _int(value, what: str) -> int:
@@ -53,3 +53,14 @@ def owner(index: int, n: int, size: int) -> int:
     base, extra = divmod(n, size)
     big = extra * (base + 1)
     return index // (base + 1) if index < big else extra + (index - big) // base
+
+
+def pieces(lo: int, hi: int, n: int, size: int) -> list[tuple[int, int]]:
+    """(start relative to lo, count) of [lo, hi) ∩ chunk(n, r, size) for every part r: the
+    piece of a range each part holds (count 0 where none); they tile [0, hi - lo) in order."""
+    counts, displs = counts_displs(n, size)
+    out = []
+    for offset, count in zip(displs, counts):
+        a, b = max(lo, offset), min(hi, offset + count)
+        out.append((min(a, hi) - lo, max(0, b - a)))
+    return out

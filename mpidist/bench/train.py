@@ -88,7 +88,7 @@ def _worker(args) -> dict:
     # step - compute is what communication adds and nothing else
     local = DistributedOptimizer(build_optimizer("sgd", layout, lr=0.01, momentum=0.9), params,
                                  grads, comm=comm, algorithm=args.algorithm, op="sum")
-    local.allreduce_async = lambda buf: Handle([], None)
+    local.allreduce_async = lambda buf: Handle(None)
 
     def compute():
         local.attach(model)

@@ -16,7 +16,8 @@ COMM_WORLD). Every rank must make the same calls in the same order; the mismatch
 bits. float16/bfloat16 are reduced in float32. Each algorithm module documents its cost.
 """
 from mpidist.collectives.core import allgather, allreduce, reduce_scatter
-from mpidist.collectives.fusion import Handle, allreduce_async
+from mpidist.collectives.fusion import allreduce_async
+from mpidist.collectives.handle import Handle
 from mpidist.collectives.ops import OPS
 from mpidist.collectives.registry import ALGORITHMS
 

@@ -20,6 +20,7 @@ import inspect
 
 import numpy as np
 
+from mpidist.collectives.handle import Handle
 from mpidist.kernels.backend import is_cupy
 
 __all__ = ["accept_arrays", "as_array", "like"]
@@ -112,19 +113,6 @@ def as_torch(a):
     return torch.from_numpy(a)
 
 
-class _Handle:
-    """A handle whose wait() gives the caller's objects back instead of the views."""
-
-    def __init__(self, handle, back):
-        self._handle, self._back = handle, back
-
-    def done(self) -> bool:
-        return self._handle.done()
-
-    def wait(self, *args, **kwargs):
-        return self._back(self._handle.wait(*args, **kwargs))
-
-
 def accept_arrays(*names, out: str | None = "out", in_place: bool = False):
     """Decorator: the arguments `names` may be any array (see the module docstring).
 
@@ -176,8 +164,8 @@ def accept_arrays(*names, out: str | None = "out", in_place: bool = False):
                 return like(result, got[first] if not isinstance(got[first], (list, tuple))
                             else got[first][0])
             result = fn(*args, **kwargs)
-            if hasattr(result, "wait") and not hasattr(result, "shape"):
-                return _Handle(result, back)
+            if isinstance(result, Handle):          # wait() gives the caller's objects back
+                return result.then(back)
             return back(result)
         return wrapper
     return deco

@@ -1,18 +1,13 @@
 """Tensor fusion and nonblocking allreduce.
 
 Many small tensors (a model's gradients) are packed into buckets of at most
-`bucket_bytes` and each bucket is reduced as one message, so the per-message latency is
-paid once per bucket, not once per tensor. `allreduce_async` returns a Handle at once;
-the reduction runs on a per-communicator worker thread (over its own duplicate of the
-communicator, so it never mixes with the caller's messages), in submission order, which is
-the same on every rank. `h.wait()` returns the result, so a training loop can launch a
-bucket as soon as backward has produced it and keep computing.
-
-Needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default); with a lower thread level the
-reduction runs inside allreduce_async and the handle is already complete. For CuPy data the
-worker takes the caller's GPU and waits (on the device, not the host) for the work queued
-on the caller's stream before the call: CUDA's current device and stream are per thread.
-Arrays handed to allreduce_async must not be touched until wait() returns.
+`bucket_bytes`, each reduced as one message, so the per-message latency is paid once per
+bucket. `allreduce_async` returns a Handle at once; the reduction runs on a per-communicator
+worker thread (over its own split of the communicator), in submission order, the same on
+every rank, so a training loop can launch a bucket as soon as backward has produced it.
+Needs MPI_THREAD_MULTIPLE; with a lower thread level the reduction runs inside the call.
+For CuPy data the worker takes the caller's GPU and waits on the device for the caller's
+stream. Arrays handed to allreduce_async must not be touched until wait() returns.
 """
 from __future__ import annotations
 
@@ -23,11 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mpi4py import MPI
 
-from mpidist.collectives import flight, guard, select
+from mpidist.collectives import guard, select
 from mpidist.collectives.arrays import accept_arrays
 from mpidist.collectives.core import (check_out, flat_view, prepare_allreduce, read_only,
                                      reduced_bytes, run_allreduce)
 from mpidist.collectives.ops import get_op
+from mpidist.collectives.handle import Handle
 from mpidist.collectives.registry import get_algorithm
 from mpidist.comm import as_communicator, on_free
 from mpidist.kernels.backend import get_array_module, handoff, take_over
@@ -36,37 +32,6 @@ __all__ = ["Handle", "allreduce_async", "buckets", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = int(os.environ.get("MPIDIST_BUCKET_BYTES", 25 << 20))
 _ASYNC_COLOR = 0x6D7064        # the worker's communicator: one split of the caller's, cached
-
-
-class Handle:
-    """A pending allreduce; wait() blocks until it is done and returns its result.
-
-    `entry`: the call's flight record, ended when the last of its futures completes."""
-
-    def __init__(self, futures: list[Future], result, entry=None):
-        self._futures = futures
-        self._result = result
-        self._entry = entry
-        if entry is not None:
-            pending = [len(futures)]
-
-            def finished(_):
-                pending[0] -= 1                 # done callbacks run one at a time: one worker
-                if pending[0] == 0:
-                    flight.end(entry)
-            if not futures:
-                flight.end(entry)
-            for f in futures:
-                f.add_done_callback(finished)
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def wait(self, timeout: float | None = None):
-        for f in self._futures:
-            f.result(timeout)          # re-raises the worker's exception, if any
-        flight.end(self._entry)        # (the futures' callbacks may not have run yet)
-        return self._result
 
 
 class _Worker:
@@ -156,7 +121,7 @@ def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
     if not isinstance(buf, (list, tuple)):
         c, x, y, opx, name, entry = prepare_allreduce(c, buf, op, algorithm, out, "allreduce_async")
         fut = _worker(c).submit(run_allreduce, x, y, opx, name, arrays=(x, y))
-        return Handle([fut], buf if out is None else out, entry)
+        return Handle(buf if out is None else out, futures=[fut], entry=entry)
     return _allreduce_fused(c, list(buf), op, algorithm, out, bucket_bytes)
 
 
@@ -202,4 +167,4 @@ def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:
             ends.append(ends[-1] + flat[i].size)
         futures.append(worker.submit(_fused, packed, opx, name, [dests[i] for i in g],
                                      list(zip(ends[:-1], ends[1:])), arrays=(packed,)))
-    return Handle(futures, arrays if out is None else list(out), entry)
+    return Handle(arrays if out is None else list(out), futures=futures, entry=entry)

@@ -26,14 +26,14 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     mpi, p, r = comm.comm, comm.size, comm.rank
     n = len(sendbuf)
     p2, rem, newrank = fold(r, p)
-    tmp = scratch(comm, 30, (n + 1) // 2 + 1, sendbuf.dtype, like=sendbuf)
+    tmp = scratch(comm, "rabenseifner.half", (n + 1) // 2 + 1, sendbuf.dtype, like=sendbuf)
     src = sendbuf                     # my data until the first reduction lands in recvbuf
     # 1. fold the extra ranks in
     if r < 2 * rem:
         if newrank < 0:
             mpi.Send(sendbuf, r + 1, _TAG)
         else:
-            full = scratch(comm, 31, n, sendbuf.dtype, like=sendbuf)
+            full = scratch(comm, "rabenseifner.full", n, sendbuf.dtype, like=sendbuf)
             mpi.Recv(full, r - 1, _TAG)
             reduce_into(op, full, sendbuf, recvbuf)
             src = recvbuf

@@ -42,7 +42,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
     if not same_view(recvbuf, sendbuf):
         recvbuf[...] = sendbuf
     p2, rem, newrank = fold(r, p)
-    tmp = scratch(comm, 20, n, sendbuf.dtype, like=sendbuf)
+    tmp = scratch(comm, "recursive_doubling.recv", n, sendbuf.dtype, like=sendbuf)
     # 1. fold the extra ranks in: even rank r hands its data to r + 1
     if r < 2 * rem:
         if newrank < 0:

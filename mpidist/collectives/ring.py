@@ -1,16 +1,14 @@
 """Ring allreduce: a reduce-scatter then an allgather around the ring r -> r+1.
 
-Each of the 2(p-1) steps moves one chunk (chunk() partition of the buffer) to the right
-neighbour. Chunks are cut into segments sent and received with nonblocking calls, and a
-segment is forwarded as soon as it has been reduced, so sending, receiving and reducing
-overlap along the ring. Each rank reduces one chunk completely (its own, chunk `rank`);
-the allgather phase then distributes that single copy, so every rank ends with the same
-bits. Per rank it moves 2(p-1)/p of the buffer, the bandwidth optimum.
+Each of the 2(p-1) steps moves one chunk (the chunk() partition of the buffer) to the right
+neighbour; `steps` says which, and the compressed ring (mpidist.compress.ring) follows the
+same schedule. Each rank reduces one chunk completely, its own; the allgather distributes
+that single copy, so every rank ends with the same bits. Per rank it moves 2(p-1)/p of the
+buffer, the bandwidth optimum.
 
-Messages whose chunks fit one segment skip the pipeline (in the allreduce, the
-reduce-scatter and the allgather alike): each step is one Sendrecv over a precomputed
-schedule (`schedule`, pure data, cached), so a small message pays a handful of
-Python-level MPI calls and no per-step planning.
+Chunks larger than one segment are pipelined: segments move with nonblocking calls and one
+is forwarded as soon as it has been reduced, so sending, receiving and reducing overlap
+along the ring. Smaller chunks take one Sendrecv per step over a cached schedule.
 
 Cost: 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma.
 """
@@ -25,9 +23,11 @@ from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.scratch import same_view, scratch
 from mpidist.partition import counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "segment_bytes", "schedule"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "segments",
+           "segment_bytes"]
 
 _TAG = 301
+_WORK = ("ring.work.0", "ring.work.1", "ring.work.2")     # scratch: partial sums in flight
 
 
 def segment_bytes() -> int:
@@ -53,91 +53,116 @@ def _parse_segment_bytes(value: str | None) -> int:
     return seg
 
 
+def segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into consecutive (start, stop) pieces of at most seg elements."""
+    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
+
+
+@functools.lru_cache(maxsize=256)
+def steps(own: int, size: int) -> tuple[tuple[int, int], ...]:
+    """The 2(size-1) steps of the ring on the rank that ends up reducing chunk `own`: per
+    step, (the chunk it sends to the right, the chunk it receives from the left).
+
+    Steps 0..size-2 reduce-scatter (the last one brings chunk `own`, complete), steps
+    size-1.. allgather (the first one sends it on)."""
+    return tuple(((own - t - 1) % size, (own - t - 2) % size) for t in range(2 * (size - 1)))
+
+
 @functools.lru_cache(maxsize=256)
 def schedule(n: int, rank: int, size: int) -> tuple[tuple[int, int, int, int], ...]:
-    """The 2(size-1) steps of the ring allreduce of n elements on `rank`: per step the
-    element ranges (send lo, send hi, recv lo, recv hi) of the chunk sent to the right and
-    the chunk received from the left. Steps 0..size-2 reduce-scatter (the last one brings
-    the rank's own chunk), steps size-1.. allgather."""
+    """steps(rank, size) as element ranges of an n-element buffer: per step (send lo,
+    send hi, recv lo, recv hi)."""
     counts, displs = counts_displs(n, size)
-    steps = []
-    for t in range(2 * (size - 1)):
-        s, q = (rank - t - 1) % size, (rank - t - 2) % size
-        steps.append((displs[s], displs[s] + counts[s], displs[q], displs[q] + counts[q]))
-    return tuple(steps)
+    return tuple((displs[s], displs[s] + counts[s], displs[q], displs[q] + counts[q])
+                 for s, q in steps(rank, size))
 
 
-def _segments(count: int, seg: int):
-    return [(lo, min(lo + seg, count)) for lo in range(0, count, seg)]
-
-
-def _ring_pass(mpi, nsteps: int, first, recv_target, process, seg: int) -> None:
-    """Run `nsteps` ring steps. Step 0 sends `first` to the right; step t receives from the
-    left into recv_target(t) segment by segment, calls process(t, lo, hi) on each segment
-    and sends what it returns to the right as part of step t+1.
+class _Pipeline:
+    """The segmented transfers of consecutive ring steps: step t receives from the left
+    into into[t], segment by segment (`arrivals`); what the caller forwards during step t
+    goes to the right as part of step t+1.
 
     From step 1 on, the receives of step t+1 are posted when step t starts, so the left
-    neighbour's forwarded segments find a posted receive (three scratch buffers rotate in
-    the reduce-scatter). Buffer safety: when step t starts, every send up to step t-1 has
-    completed, and step t+1 writes a chunk that no pending send of step t reads.
+    neighbour's forwarded segments find a posted receive. Buffer safety: when step t starts,
+    every send up to step t-1 has completed, and step t+1 writes a buffer that no pending
+    send of step t reads (three scratch buffers rotate in the reduce-scatter).
     """
-    rank, size = mpi.Get_rank(), mpi.Get_size()
-    left, right = (rank - 1) % size, (rank + 1) % size
 
-    def post(t):
-        dst = recv_target(t)
-        segs = _segments(len(dst), seg)
-        return [mpi.Irecv(dst[lo:hi], left, _TAG) for lo, hi in segs], segs
+    def __init__(self, comm, into: list, first, seg: int):
+        self.mpi, self.into, self.seg = comm.comm, into, seg
+        self.left, self.right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+        self.sends = [self.mpi.Isend(first[lo:hi], self.right, _TAG)
+                      for lo, hi in segments(0, len(first), seg)]
+        self.forwards = []
+        self.recvs = self._post(0)
 
-    sends = [mpi.Isend(first[lo:hi], right, _TAG) for lo, hi in _segments(len(first), seg)]
-    recvs = post(0) if nsteps else None
-    for t in range(nsteps):
-        ahead = post(t + 1) if 1 <= t < nsteps - 1 else None
-        forward = []
-        for req, (lo, hi) in zip(*recvs):
+    def _post(self, t: int):
+        dst = self.into[t]
+        segs = segments(0, len(dst), self.seg)
+        return [self.mpi.Irecv(dst[lo:hi], self.left, _TAG) for lo, hi in segs], segs
+
+    def arrivals(self, t: int):
+        """Step t: yield (lo, hi) of each segment of into[t] once it has arrived."""
+        last = len(self.into) - 1
+        ahead = self._post(t + 1) if 1 <= t < last else None
+        for req, seg in zip(*self.recvs):
             req.Wait()
-            out = process(t, lo, hi)
-            if t + 1 < nsteps:
-                forward.append(mpi.Isend(out, right, _TAG))
-        MPI.Request.Waitall(sends)   # step t's sends: their buffers may be reused next step
-        sends = forward
-        recvs = ahead if ahead is not None else post(t + 1) if t + 1 < nsteps else None
-    MPI.Request.Waitall(sends)
+            yield seg
+        MPI.Request.Waitall(self.sends)   # step t's sends: their buffers may be reused next step
+        self.sends, self.forwards = self.forwards, []
+        self.recvs = ahead if ahead is not None else self._post(t + 1) if t < last else None
+
+    def forward(self, view) -> None:
+        """Send view (a reduced or received segment) to the right, as part of the next step."""
+        self.forwards.append(self.mpi.Isend(view, self.right, _TAG))
+
+    def close(self) -> None:
+        MPI.Request.Waitall(self.sends)
 
 
-def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, steps) -> None:
-    """The reduce-scatter steps of the schedule for chunks of one segment, one blocking
+def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:
+    """The reduce-scatter steps of schedule `plan` for chunks of one segment, one blocking
     Sendrecv each, partial sums alternating between two scratch buffers; `mine` (the
     place of my chunk, which may be that chunk of sendbuf) receives my chunk's reduction."""
     mpi, p = comm.comm, comm.size
     left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
     longest = -(-len(sendbuf) // p)               # chunk 0, the longest
-    work = (scratch(comm, 0, longest, sendbuf.dtype, like=sendbuf),
-            scratch(comm, 1, longest, sendbuf.dtype, like=sendbuf))
-    out = sendbuf[steps[0][0]:steps[0][1]]
-    for t, (_, _, lo, hi) in enumerate(steps):
+    work = (scratch(comm, _WORK[0], longest, sendbuf.dtype, like=sendbuf),
+            scratch(comm, _WORK[1], longest, sendbuf.dtype, like=sendbuf))
+    out = sendbuf[plan[0][0]:plan[0][1]]
+    for t, (_, _, lo, hi) in enumerate(plan):
         got = work[t % 2][:hi - lo]
         mpi.Sendrecv(out, right, _TAG, got, left, _TAG)
         out = got if t < p - 2 else mine          # the last step brings my own chunk
         reduce_into(op, got, sendbuf[lo:hi], out)
 
 
-def _allgather_unsegmented(comm, buf, steps) -> None:
-    """The allgather steps of the schedule for chunks of one segment: pass the chunks of
+def _allgather_unsegmented(comm, buf, plan) -> None:
+    """The allgather steps of schedule `plan` for chunks of one segment: pass the chunks of
     buf on around the ring, one blocking Sendrecv each (buf holds my chunk already)."""
     mpi, p = comm.comm, comm.size
     left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
-    for slo, shi, lo, hi in steps:
+    for slo, shi, lo, hi in plan:
         mpi.Sendrecv(buf[slo:shi], right, _TAG, buf[lo:hi], left, _TAG)
+
+
+def _parts(buf, n: int, size: int):
+    """part(c): chunk c of buf, a view."""
+    counts, displs = counts_displs(n, size)
+    return lambda c: buf[displs[c]:displs[c] + counts[c]]
+
+
+def _work(comm, n: int, like) -> list:
+    """The three rotating scratch buffers of the pipelined reduce-scatter."""
+    longest = -(-n // comm.size)                  # chunk 0, the longest
+    return [scratch(comm, name, longest, like.dtype, like=like) for name in _WORK]
 
 
 def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = None):
     """Ring reduce-scatter: `shard` (chunk(n, rank, size) of sendbuf's length n) receives
     the reduction of that chunk over all ranks. `shard` may be that chunk of sendbuf itself.
     finalize_n: apply op.finalize(shard, finalize_n) (the avg division) before returning."""
-    mpi, p, r = comm.comm, comm.size, comm.rank
-    n = len(sendbuf)
-    counts, displs = counts_displs(n, p)
+    p, r, n = comm.size, comm.rank, len(sendbuf)
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
     if p == 1:
         if not same_view(shard, sendbuf):
@@ -145,23 +170,18 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     elif n <= seg * p:                                  # every chunk is one segment
         _reduce_scatter_unsegmented(comm, sendbuf, shard, op, schedule(n, r, p)[:p - 1])
     else:
-        work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
-        chunk_of = [(r - t - 1) % p for t in range(p)]   # chunk sent at step t
-
-        def target(t):
-            return work[t % 3][:counts[chunk_of[t + 1]]]
-
-        def process(t, lo, hi):
-            c = chunk_of[t + 1]
-            mine = sendbuf[displs[c] + lo:displs[c] + hi]
-            if t == p - 2:                               # chunk c == r: the final result
-                reduce_into(op, work[t % 3][lo:hi], mine, shard[lo:hi])
-                return None
-            reduce_into(op, work[t % 3][lo:hi], mine, work[t % 3][lo:hi])
-            return work[t % 3][lo:hi]
-
-        c0 = chunk_of[0]
-        _ring_pass(mpi, p - 1, sendbuf[displs[c0]:displs[c0] + counts[c0]], target, process, seg)
+        plan, part, work = steps(r, p)[:p - 1], _parts(sendbuf, n, p), _work(comm, n, sendbuf)
+        into = [work[t % 3][:len(part(c))] for t, (_, c) in enumerate(plan)]
+        ring = _Pipeline(comm, into, part(plan[0][0]), seg)
+        for t, (_, c) in enumerate(plan):
+            got, mine = into[t], part(c)
+            for lo, hi in ring.arrivals(t):
+                if t < p - 2:                           # a partial sum: add mine, pass it on
+                    reduce_into(op, got[lo:hi], mine[lo:hi], got[lo:hi])
+                    ring.forward(got[lo:hi])
+                else:                                   # chunk c == r: the result
+                    reduce_into(op, got[lo:hi], mine[lo:hi], shard[lo:hi])
+        ring.close()
     if finalize_n is not None:
         op.finalize(shard, finalize_n)
     return shard
@@ -169,78 +189,71 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
 
 def allgather(comm, shard, out):
     """Ring allgather: out (length n) receives every rank's chunk(n, rank, size) shard."""
-    mpi, p, r = comm.comm, comm.size, comm.rank
-    n = len(out)
-    counts, displs = counts_displs(n, p)
-    mine = out[displs[r]:displs[r] + counts[r]]
-    if not same_view(shard, mine):
-        mine[...] = shard
+    p, r, n = comm.size, comm.rank, len(out)
+    part = _parts(out, n, p)
+    if not same_view(shard, part(r)):
+        part(r)[...] = shard
     seg = max(1, segment_bytes() // max(1, out.itemsize))
-    if 1 < p and n <= seg * p:                          # every chunk is one segment
+    if p == 1:
+        return out
+    if n <= seg * p:                                    # every chunk is one segment
         _allgather_unsegmented(comm, out, schedule(n, r, p)[p - 1:])
-    elif p > 1:
-        chunk_of = [(r - t) % p for t in range(p)]        # chunk sent at step t
-
-        def target(t):
-            c = chunk_of[t + 1]
-            return out[displs[c]:displs[c] + counts[c]]
-
-        def process(t, lo, hi):
-            return target(t)[lo:hi]
-
-        _ring_pass(mpi, p - 1, mine, target, process, seg)
+        return out
+    plan = steps(r, p)[p - 1:]
+    into = [part(c) for _, c in plan]
+    ring = _Pipeline(comm, into, part(r), seg)
+    for t in range(p - 1):
+        for lo, hi in ring.arrivals(t):
+            if t < p - 2:                               # pass it on, but the last
+                ring.forward(into[t][lo:hi])
+    ring.close()
     return out
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):
     """Ring allreduce of sendbuf into recvbuf (recvbuf may be sendbuf: in place).
 
-    One pass of 2(p-1) steps: at step t rank r sends chunk (r-t-1) mod p and receives
-    chunk (r-t-2) mod p, so the last reduce-scatter step flows into the first allgather
-    step without a pause.
+    One pass of the 2(p-1) steps of steps(rank, p): the last reduce-scatter step, which
+    completes my chunk, flows into the first allgather step without a pause.
     """
-    p, r = comm.size, comm.rank
+    p, r, n = comm.size, comm.rank, len(sendbuf)
     if p == 1:
         if not same_view(recvbuf, sendbuf):
             recvbuf[...] = sendbuf
         return recvbuf
-    n = len(sendbuf)
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
-    if n <= seg * p:                          # every chunk is one segment
-        steps = schedule(n, r, p)
-        lo, hi = steps[p - 2][2:]                 # my chunk, the last one reduced
+    if n <= seg * p:                                    # every chunk is one segment
+        plan = schedule(n, r, p)
+        lo, hi = plan[p - 2][2:]                        # my chunk, the last one reduced
         # 1. reduce-scatter
-        _reduce_scatter_unsegmented(comm, sendbuf, recvbuf[lo:hi], op, steps[:p - 1])
+        _reduce_scatter_unsegmented(comm, sendbuf, recvbuf[lo:hi], op, plan[:p - 1])
         op.finalize(recvbuf[lo:hi], p)
         # 2. allgather
-        _allgather_unsegmented(comm, recvbuf, steps[p - 1:])
+        _allgather_unsegmented(comm, recvbuf, plan[p - 1:])
         return recvbuf
-    mpi = comm.comm
-    counts, displs = counts_displs(n, p)
-    work = [scratch(comm, k, counts[0], sendbuf.dtype, like=sendbuf) for k in range(3)]
-    chunk_of = [(r - t - 1) % p for t in range(2 * p - 1)]   # chunk sent at step t
-
-    def target(t):
-        c = chunk_of[t + 1]
-        if t < p - 1:                        # 1. reduce-scatter: partial sums arrive in scratch
-            return work[t % 3][:counts[c]]
-        return recvbuf[displs[c]:displs[c] + counts[c]]   # 2. allgather: final chunks
-
-    def process(t, lo, hi):
-        c = chunk_of[t + 1]
-        if t >= p - 1:
-            return recvbuf[displs[c] + lo:displs[c] + hi]
-        got = work[t % 3][lo:hi]
-        mine = sendbuf[displs[c] + lo:displs[c] + hi]
-        if t < p - 2:
-            reduce_into(op, got, mine, got)
-            return got
-        done = recvbuf[displs[c] + lo:displs[c] + hi]   # c == r: my chunk is complete
-        reduce_into(op, got, mine, done)
-        op.finalize(done, p)
-        return done
-
-    c0 = chunk_of[0]
-    _ring_pass(mpi, 2 * (p - 1), sendbuf[displs[c0]:displs[c0] + counts[c0]], target,
-               process, seg)
+    plan, work = steps(r, p), _work(comm, n, sendbuf)
+    mine, result = _parts(sendbuf, n, p), _parts(recvbuf, n, p)
+    # partial sums arrive in scratch during the reduce-scatter, final chunks in recvbuf
+    into = [work[t % 3][:len(mine(c))] for t, (_, c) in enumerate(plan[:p - 1])] + \
+        [result(c) for _, c in plan[p - 1:]]
+    ring = _Pipeline(comm, into, mine(plan[0][0]), seg)
+    # 1. reduce-scatter: add my part to each arriving partial sum and pass it on; the last
+    #    step brings my own chunk, complete
+    for t, (_, c) in enumerate(plan[:p - 1]):
+        got, add = into[t], mine(c)
+        for lo, hi in ring.arrivals(t):
+            if t < p - 2:
+                reduce_into(op, got[lo:hi], add[lo:hi], got[lo:hi])
+                ring.forward(got[lo:hi])
+            else:                                       # chunk c == r
+                done = result(c)[lo:hi]
+                reduce_into(op, got[lo:hi], add[lo:hi], done)
+                op.finalize(done, p)
+                ring.forward(done)
+    # 2. allgather: pass each arriving final chunk on, but the last
+    for t in range(p - 1, 2 * (p - 1)):
+        for lo, hi in ring.arrivals(t):
+            if t < 2 * p - 3:
+                ring.forward(into[t][lo:hi])
+    ring.close()
     return recvbuf

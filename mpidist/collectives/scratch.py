@@ -1,6 +1,11 @@
 """Preallocated scratch buffers, reused across calls so a collective allocates nothing
 in steady state. One set per communicator (the async worker has its own communicator,
-so it never shares a buffer with the caller's thread)."""
+so it never shares a buffer with the caller's thread), each buffer named by its owner
+("ring.work.0", "tree.up.0.1", ...): two algorithms that run inside one call (the
+half-precision widening around the ring) never share one.
+
+    buf = scratch(comm, "ring.work.0", count, dtype, like=sendbuf)
+"""
 from __future__ import annotations
 
 import threading
@@ -18,17 +23,19 @@ _buffers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def scratch(comm, slot: int, count: int, dtype, like=None, pinned: bool = False):
-    """A 1-D array of `count` elements for (comm, slot), on the device of `like`, or a
+def scratch(comm, name: str, count: int, dtype, like=None, pinned: bool = False):
+    """A 1-D array of `count` elements for (comm, name), on the device of `like`, or a
     NumPy array in page-locked host memory when `pinned` (CuPy's staging buffers: copies
     to and from the GPU run at full PCIe/NVLink speed, with no page faults).
 
-    The contents are undefined; the memory stays cached (grown when a call needs more)
-    until `release(comm)`. A typed view of it is cached per dtype, so a steady call costs
-    two dictionary lookups and one slice.
+    name: "module.purpose[.index]" of the owner. The contents are undefined; the memory
+    stays cached (grown when a call needs more) until `release(comm)`. A typed view of it
+    is cached per dtype, so a steady call costs two dictionary lookups and one slice.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"a scratch buffer is named by its owner (\"ring.work.0\"), got {name!r}")
     if pinned:
-        import cupyx
+        import cupyx                     # optional: only CuPy data is staged in pinned memory
         where, empty = "pinned", cupyx.empty_pinned
     elif like is None or type(like) is np.ndarray:
         where, empty = "host", np.empty
@@ -38,7 +45,7 @@ def scratch(comm, slot: int, count: int, dtype, like=None, pinned: bool = False)
     if per_comm is None:
         with _lock:                      # the async worker thread allocates for its own comm
             per_comm = _buffers.setdefault(comm, {})
-    key = (slot, where)
+    key = (name, where)
     entry = per_comm.get(key)            # (raw bytes, {dtype: typed view of all of them})
     typed = None if entry is None else entry[1].get(dtype)
     if typed is not None and typed.size >= count:

@@ -1,22 +1,15 @@
 """Shared-memory allreduce for the ranks of one node, over an MPI shared-memory window.
 
-Without a single-copy transport (CMA is often forbidden in containers) every byte a ring
-step moves is copied twice, into and out of the MPI library's shared buffers, and each
-message costs a rendezvous handshake. Here each rank copies its input once into its slice
-of a window all ranks of the node can read, then:
-1. publish: copy my input into my window slice; barrier;
-2. reduce: chunk(n, rank, size) of every rank's slice, block by block (the running sum
-   stays in cache), into my own slice; the one reduced copy of that chunk;
+Without a single-copy transport every byte a ring step moves is copied twice, through the
+MPI library's shared buffers. Here:
+1. publish: copy my input into my slice of a window every rank of the node reads; barrier;
+2. reduce: chunk(n, rank, size) of every rank's slice, in rank order, block by block (the
+   running sum stays in cache), into my own slice: the one reduced copy of that chunk;
 3. gather: barrier; copy every rank's reduced chunk straight out of its slice.
-Memory traffic per rank: about 2n + (p+1)/p n + 2(p-1)/p n bytes (my reduced chunk goes to
-recvbuf straight from cache) against the ring's 8n or so, and
-three barriers instead of 2(p-1) handshaking steps. Each chunk is reduced by one rank in
-rank order, so every rank ends with the same bits.
-
-reduce_scatter is steps 1-2 and allgather publishes shards and does step 3, as ZeRO wants.
-Communicators spanning several nodes (real or simulated), and device buffers, fall back
-to the ring. The window is allocated on first use per communicator and grown when a
-larger message comes (collectively: every rank passes the same length).
+About a third of the ring's memory traffic, and three barriers instead of 2(p-1) steps;
+every rank ends with the same bits. reduce_scatter is steps 1-2, allgather step 3.
+Communicators spanning several nodes, and device buffers, fall back to the ring; the window
+is allocated on first use per communicator and grown collectively.
 
 Cost: 3 alpha (barriers) + 2 n beta (copies in and out) + n gamma.
 """
@@ -100,7 +93,7 @@ def _reduce_chunk(comm, part, lo_r: int, hi_r: int, op: Op, dst, *,
     over finalize_n contributors and also stored into copy_to while it is in cache."""
     p, dt = comm.size, dst.dtype
     block = max(1, _BLOCK_BYTES // dt.itemsize)
-    tmp = scratch(comm, 40, min(block, hi_r - lo_r), dt)
+    tmp = scratch(comm, "shm.block", min(block, hi_r - lo_r), dt)
     for lo in range(lo_r, hi_r, block):
         hi = min(lo + block, hi_r)
         acc, out = tmp[:hi - lo], dst[lo - lo_r:hi - lo_r]

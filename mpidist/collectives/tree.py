@@ -3,15 +3,11 @@ back down the same tree, both pipelined by segments.
 
 Latency-friendly but every interior rank moves the whole buffer per child, so it loses to
 the ring for large messages. The pipelined tree engine here also runs the double binary
-tree (dbtree.py). Ranges of one segment skip the pipeline: each tree moves its range as
-one message per edge each way, with every child's receive posted first and the leaves
-sending at once. In the binomial tree the top edge of such a range, between rank 0 and
-its last child (the root of the other half of the ranks), is an exchange instead of a
-reduce and a broadcast: the two half-roots swap their partial results and both combine
-them rank 0's half first, so both hold the same bits one message step earlier (on 2 ranks
-the tree is that one exchange). The double binary tree keeps its top edges: each of its
-two roots reduces only its half, and an exchange there would double that work (1 MiB on 2
-ranks took 1.7x as long).
+tree (dbtree.py). Ranges of one segment move as one message per edge each way; in the
+binomial tree the top edge of such a range (rank 0 and the root of the other half) is an
+exchange: the two half-roots swap partial results and both combine them rank 0's half
+first, so both hold the same bits one message step earlier. The double binary tree keeps
+its top edges: each of its roots reduces only its half, which an exchange would double.
 
 Cost: (2 ceil(log2 p) - 1) alpha + 2 ceil(log2 p) n beta + ceil(log2 p) n gamma (no
 pipelining credit taken).
@@ -24,7 +20,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
-from mpidist.collectives.ring import segment_bytes
+from mpidist.collectives.ring import segment_bytes, segments
 from mpidist.collectives.scratch import same_view, scratch
 
 __all__ = ["allreduce", "Tree", "binomial_tree", "tree_allreduce"]
@@ -67,14 +63,14 @@ def top_child(size: int) -> int:
     return 1 << ((size - 1).bit_length() - 1)
 
 
-def _settle_root(comm, t: Tree, mine, out, op: Op, slot: int, tag: int) -> None:
+def _settle_root(comm, t: Tree, mine, out, op: Op, name: str, tag: int) -> None:
     """On a root: out = the tree's result, finalized. With a peer, swap partials with it
     and combine them lead-first, so both roots hold the same bits."""
     if t.peer is None:
         if not same_view(mine, out):
             out[...] = mine
     else:
-        theirs = scratch(comm, slot, len(mine), mine.dtype, like=mine)
+        theirs = scratch(comm, name, len(mine), mine.dtype, like=mine)
         comm.comm.Sendrecv(mine, t.peer, tag, theirs, t.peer, tag)
         reduce_into(op, *((mine, theirs) if t.lead else (theirs, mine)), out)
     op.finalize(out, comm.size)
@@ -83,8 +79,7 @@ def _settle_root(comm, t: Tree, mine, out, op: Op, slot: int, tag: int) -> None:
 def _reduce_then_broadcast(t: Tree) -> Tree:
     """The tree with its top exchange undone: the pipeline hides the extra step of the top
     edge, and its windowed nonblocking transfers tolerate ranks that share a core, which a
-    blocking exchange per segment does not (64 MiB on 4 ranks over 2 cores: 1.5-2.3x
-    slower)."""
+    blocking exchange per segment does not (docs/PERFORMANCE.md, tree)."""
     if t.peer is None:
         return t
     if t.lead:
@@ -92,8 +87,9 @@ def _reduce_then_broadcast(t: Tree) -> Tree:
     return Tree(t.peer, t.children, t.lo, t.hi)
 
 
-def _segments(lo: int, hi: int, seg: int):
-    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
+def _up(tree: int, child: int) -> str:
+    """The scratch buffer where child `child` of tree `tree` sends its partial results."""
+    return f"tree.up.{tree}.{child}"
 
 
 def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
@@ -105,7 +101,7 @@ def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
         if t.hi > t.lo and (t.children or t.parent is None):
             k = 2 * ti
             got = [(mpi.Irecv(b, c, _TAG + k), b) for b, c in zip(
-                [scratch(comm, 10 + k + ci, t.hi - t.lo, sendbuf.dtype, like=sendbuf)
+                [scratch(comm, _up(ti, ci), t.hi - t.lo, sendbuf.dtype, like=sendbuf)
                  for ci in range(len(t.children))], t.children)]
             work.append((k, t, got))
     for ti, t in enumerate(trees):
@@ -120,7 +116,7 @@ def _unsegmented(comm, sendbuf, recvbuf, op: Op, trees) -> None:
         if t.parent is not None:
             ups.append(mpi.Isend(acc, t.parent, _TAG + k))
         else:                                         # a root: the tree's result
-            _settle_root(comm, t, src, acc, op, 24 + k // 2, _TOP_TAG + k)
+            _settle_root(comm, t, src, acc, op, f"tree.peer.{k // 2}", _TOP_TAG + k)
     # 2. broadcast down, roots first: my up-sends are done before the result overwrites them
     if ups:
         MPI.Request.Waitall(ups)
@@ -150,13 +146,13 @@ def tree_allreduce(comm, sendbuf, recvbuf, op: Op, trees):
         _unsegmented(comm, sendbuf, recvbuf, op, trees)
         return recvbuf
     trees = [_reduce_then_broadcast(t) for t in trees]
-    plans = [_segments(t.lo, t.hi, seg) for t in trees]
+    plans = [segments(t.lo, t.hi, seg) for t in trees]
     nseg = max((len(s) for s in plans), default=0)
     slots = {}
     for ti, t in enumerate(trees):
         need = t.hi - t.lo if len(plans[ti]) <= _WINDOW else _WINDOW * seg
         for ci in range(len(t.children)):
-            slots[ti, ci] = scratch(comm, 10 + 2 * ti + ci, need, sendbuf.dtype, like=sendbuf)
+            slots[ti, ci] = scratch(comm, _up(ti, ci), need, sendbuf.dtype, like=sendbuf)
 
     def post_child(ti, ci, k):
         a, b = plans[ti][k]

@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import flight, shm
-from mpidist.collectives.fusion import Handle
+from mpidist.collectives.handle import Handle
 from mpidist.comm import as_communicator
 from mpidist.partition import counts_displs
 
@@ -131,7 +131,7 @@ class SharedBuffer:
                              f"{self.data.shape[0]} elements")
         entry = flight.begin(self._owner, ("shared_allreduce", ("lo", int(lo)), ("hi", int(hi))))
         fut = self._pool.submit(self._allreduce, int(lo), int(hi))
-        return Handle([fut], self.data[lo:hi], entry)
+        return Handle(self.data[lo:hi], futures=[fut], entry=entry)
 
     def reduce_scatter_async(self, lo: int, hi: int, mine: tuple[int, int]) -> Handle:
         """Start summing over the ranks the part of data[lo:hi] this rank owns, mine =
@@ -142,7 +142,7 @@ class SharedBuffer:
                              f"{self.data.shape[0]} elements")
         entry = flight.begin(self._owner, ("shared_reduce_scatter", ("lo", int(lo)), ("hi", int(hi))))
         fut = self._pool.submit(self._reduce_owned, int(lo), int(hi), tuple(mine))
-        return Handle([fut], self.data[mine[0]:mine[1]], entry)
+        return Handle(self.data[mine[0]:mine[1]], futures=[fut], entry=entry)
 
     def allgather(self, bounds) -> None:
         """Collective: copy every other rank's owned range [bounds[j], bounds[j+1]) out of

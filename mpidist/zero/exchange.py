@@ -1,50 +1,38 @@
 """Sharded exchanges over an arbitrary global range [lo, hi) of the flat layout.
 
 ZeRO's shards are the chunk() partition of the WHOLE flat buffer, but stage 2 reduces a
-gradient bucket and stage 3 gathers one layer's parameters: a sub-range whose pieces
-belong to a varying set of ranks (often one or two). mpidist.collectives partitions the
-buffer it is given by chunk(len(buf)), which would not line up with the shards, so these
-two v-collectives are built here on MPI's nonblocking Ialltoallv / Iallgatherv (on the
-Communicator's private comm), sending raw bytes so fp16/bf16 travel at two bytes:
-
-- reduce-scatter-v: every rank sends the piece of its bucket that rank r owns straight to
-  r; the owner sums the `size` pieces (its own read locally) in rank order in an fp32 (or
-  wider) accumulator and rounds once, so the result does not depend on the order of arrival
-  and half-precision gradients are rounded exactly once (the same as an fp32-accumulated
-  allreduce). Each rank sends what it does not own, (size-1)/size of the bucket on average,
-  like a ring; the owner holds `size - 1` pieces of its part while the exchange is in flight.
-- allgather-v: every rank contributes the piece of [lo, hi) inside its shard.
-
-Both return a Pending handle at once, so the exchange overlaps the caller's compute (the
-next layer's backward, the current layer's forward); wait() completes it.
+gradient bucket and stage 3 gathers one layer's parameters: a sub-range whose pieces belong
+to a varying set of ranks. mpidist.collectives partitions the buffer it is given, which
+would not line up with the shards, so these two v-collectives are built on MPI's
+Ialltoallv / Iallgatherv, sending raw bytes (fp16/bf16 travel at two bytes). The owner of a
+piece sums the `size` contributions in rank order in an fp32 (or wider) accumulator and
+rounds once: the result does not depend on arrival order. Both return a Handle at once, so
+the exchange overlaps the caller's compute; wait() completes it.
 """
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.collectives.handle import Handle
 from mpidist.collectives.ops import accumulator_dtype, narrow, widen
 from mpidist.kernels.backend import get_array_module
+from mpidist import partition
 
-__all__ = ["ShardMap", "Pending", "reduce_scatter_start", "allgather_start"]
+__all__ = ["ShardMap", "reduce_scatter_start", "allgather_start"]
 
 
 class ShardMap:
     """Where each rank's shard lies: the chunk() partition of n elements over the comm."""
 
     def __init__(self, comm, n: int):
-        from mpidist.partition import counts_displs
         self.comm, self.n = comm, int(n)
-        self.counts, self.displs = counts_displs(self.n, comm.size)
+        self.counts, self.displs = partition.counts_displs(self.n, comm.size)
         self.offset, self.count = self.displs[comm.rank], self.counts[comm.rank]
 
     def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """(start relative to lo, length) of [lo, hi) ∩ shard r, for every rank r."""
-        out = []
-        for d, c in zip(self.displs, self.counts):
-            a, b = max(lo, d), min(hi, d + c)
-            out.append((a - lo, max(0, b - a)))
-        return out
+        return partition.pieces(lo, hi, self.n, self.comm.size)
 
     def mine(self, lo: int, hi: int) -> tuple[int, int]:
         """(global start, length) of [lo, hi) ∩ my shard (length 0 when disjoint)."""
@@ -52,33 +40,12 @@ class ShardMap:
         return a, max(0, b - a)
 
 
-class Pending:
-    """A started exchange: wait() finishes it (idempotent) and returns its result."""
-
-    def __init__(self, request, finish, buffers):
-        self._request, self._finish = request, finish
-        self.buffers = buffers          # what the exchange holds (until the handle is dropped)
-        self._result, self._done = None, False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the buffers this exchange holds while in flight."""
-        return 0 if self._done else sum(int(b.nbytes) for b in self.buffers)
-
-    def wait(self):
-        if not self._done:
-            self._request.Wait()
-            self._result = self._finish()
-            self._done, self._finish = True, None
-        return self._result
-
-
 def _bytes(a):
     """A flat uint8 view of a contiguous array (MPI sees any dtype as bytes)."""
     return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
 
 
-def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> Pending:
+def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> Handle:
     """Start summing buf (the global range [lo, lo+len(buf)) on every rank) onto its owners.
 
     wait() returns my piece (the range ∩ my shard) of the sum over ranks, in buf's dtype,
@@ -127,10 +94,10 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> P
         narrow(acc, result)
         return result
 
-    return Pending(request, finish, (send_mpi, recv_mpi))
+    return Handle(requests=[request], finish=finish, buffers=(send_mpi, recv_mpi))
 
 
-def allgather_start(comm, shards: ShardMap, shard, lo: int, hi: int, *, out=None) -> Pending:
+def allgather_start(comm, shards: ShardMap, shard, lo: int, hi: int, *, out=None) -> Handle:
     """Start gathering the global range [lo, hi) from the shards that hold it.
 
     shard: my whole shard (1-D, shards.count elements). wait() returns the range as one
@@ -154,4 +121,4 @@ def allgather_start(comm, shards: ShardMap, shard, lo: int, hi: int, *, out=None
         comm.from_mpi(recv_mpi, out)
         return out
 
-    return Pending(request, finish, (recv_mpi,))
+    return Handle(requests=[request], finish=finish, buffers=(recv_mpi,))

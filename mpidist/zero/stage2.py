@@ -19,12 +19,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
-from mpidist.collectives import allgather
+from mpidist.collectives import Handle, allgather
 from mpidist.flat import FlatBuffer
 from mpidist.zero.engine import ZeroEngine
-from mpidist.zero.exchange import Pending, reduce_scatter_start
+from mpidist.zero.exchange import reduce_scatter_start
 from mpidist.zero.units import LayerHooks
 
 __all__ = ["Stage2", "GradBuckets"]
@@ -122,23 +121,23 @@ class GradBuckets:
         while len(self.queue) > self.e.max_in_flight:
             self._retire()
 
-    def _compressed(self, b: _Bucket, out) -> Pending:
+    def _compressed(self, b: _Bucket, out) -> Handle:
         """The bucket's compressed reduce-scatter (blocking: a compressor does not overlap);
         my piece is added into out. Half-precision gradients are compressed from float32."""
         t = time.perf_counter()
         g = b.buf if b.buf.dtype == np.float32 else b.buf.astype(np.float32)
         out[...] += self.e.compression.reduce_scatter(g, lo=b.lo, n=self.e.layout.numel)
         self.e._t_comm += time.perf_counter() - t
-        return Pending(MPI.REQUEST_NULL, lambda: out, ())
+        return Handle(out)
 
-    def _momentum(self, b: _Bucket) -> Pending:
+    def _momentum(self, b: _Bucket) -> Handle:
         """A 1-bit optimizer's compression stage: the bucket as local momentum through the
         momentum's compressed reduce-scatter, summed into the exchange's own float32 shard
         (blocking); the gradient shard stays zero."""
         t = time.perf_counter()
         self.e.onebit.send(b.buf.astype(np.float32, copy=True), lo=b.lo)
         self.e._t_comm += time.perf_counter() - t
-        return Pending(MPI.REQUEST_NULL, lambda: None, ())
+        return Handle(None)
 
     def _retire(self) -> None:
         b = self.queue.popleft()
