@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import inspect
+
 from mpidist.compress.allreduce import CompressedAllreduce
 from mpidist.compress.base import Compressor
 from mpidist.compress.fp16 import BF16, FP16
@@ -17,7 +19,7 @@ from mpidist.compress.randomk import RandomK
 from mpidist.compress.sign import Sign
 from mpidist.compress.topk import TopK
 
-__all__ = ["make_compressor", "build_compressor", "compressor_names", "COMPRESSORS",
+__all__ = ["make_compressor", "compressor_names", "COMPRESSORS",
            "Compressor", "CompressedAllreduce", "MomentumAllreduce", "FP16", "BF16", "TopK", "RandomK", "Sign",
            "QSGD", "PowerSGD"]
 
@@ -43,10 +45,7 @@ def make_compressor(name: str, **options) -> Compressor:
     except TypeError as exc:
         if "unexpected keyword" not in str(exc):
             raise
-        import inspect
         valid = [p for p in inspect.signature(cls).parameters]
         raise ValueError(f"compressor {name!r} takes options {', '.join(valid)}; "
                          f"got {', '.join(sorted(options))}") from None
 
-
-build_compressor = make_compressor     # the spelling of the other registries (build_optimizer)

@@ -1,219 +1,37 @@
 """The compressed allreduce: the average over ranks of each rank's compressed gradient,
-with the exact number of bytes each rank sent.
+with the exact number of bytes each rank sent (payloads, their length headers, padding).
 
-Three ways (the default is the compressor's aggregation):
-- gather (top-k, sign, QSGD; fp16/bf16 on request): every rank's payload travels round a
-  ring allgather; every rank then decompresses all p payloads, in rank order, and sums:
-  exactly the sum of what each rank compressed. Rank r sends every payload except its
-  right neighbour's: (p-1) payloads' worth, which grows with p.
-- ring (fp16, bf16; the gather compressors on request): a ring reduce-scatter whose hops
-  carry encoded partial sums (decode, add my fp32 chunk, re-encode), then a ring
-  allgather of the encoded owned chunks: 2(p-1)/p of one payload, at any p. With error
-  feedback each rank keeps what its own encodings dropped, so nothing is lost.
-- linear (random-k with shared indices, PowerSGD): the compressed coordinates add up, so
-  they go through a float32 ring allreduce (the compressor's `reduce`).
-Every rank ends with the bitwise-same result: sums are formed once (at a chunk's owner,
-or in rank order) and then copied.
-
-Bytes are counted where they leave: the messages of the gradient exchange (payloads,
-their 8-byte length headers and alignment padding). The per-call agreement (one
-allgather of a few dozen bytes: shapes, options, inf/NaN flags) is not counted.
-
-Safety: before any data moves, one allgather agrees on each rank's local validation,
-(compressor options, length, dtype, call number) and inf/NaN. A bad input or mismatch
-raises on every rank; inf/NaN either raises everywhere (nonfinite="raise") or skips the
-step on every rank (nonfinite="skip": residuals untouched, a NaN result, counted in
-`skipped_steps`), so a NaN never reaches an error-feedback residual.
+Three ways, the compressor's aggregation by default: "gather" (every payload round the ring,
+decompressed and summed in rank order on every rank), "ring" (encoded partial sums round
+the ring: 2(p-1)/p of a payload at any p) and "linear" (coordinates that add up, summed by
+a float32 ring). Every rank ends with the same bits. Before any data moves, one allgather
+agrees on every rank's input checks, options and inf/NaN flags: a bad input raises on every
+rank, and inf/NaN raises everywhere or skips the step everywhere (nonfinite="skip"), so a
+NaN never reaches an error-feedback residual. See docs/ARCHITECTURE.md (compression).
 """
 from __future__ import annotations
 
 import copy
 
 import numpy as np
-from mpi4py import MPI
 
 from mpidist.collectives.arrays import accept_arrays
+from mpidist.collectives.handle import Handle
 from mpidist.comm import as_communicator
 from mpidist.compress.base import Compressor, kernels_for
+from mpidist.compress.buckets import bucket_key, bucket_layout
+from mpidist.compress.codecs import CompressorCodec, RawCodec
+from mpidist.compress.reduce_scatter import reduce_scatter
+from mpidist.compress.ring import Ring
+from mpidist.compress.wire import pack, unpack
 from mpidist.errors import MismatchError, RemoteError
-from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
-from mpidist.partition import chunk, counts_displs
+from mpidist.kernels.backend import get_array_module, to_numpy
+from mpidist.partition import chunk
 
-__all__ = ["CompressedAllreduce", "Handle", "bucket_key", "ring_allreduce_bytes", "pack", "unpack"]
+__all__ = ["CompressedAllreduce"]
 
 _ALGORITHMS = ("auto", "gather", "ring", "linear")
 _NONFINITE = ("raise", "skip")
-_TAG = 0x5C0
-
-
-def _pad8(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8
-
-
-def pack(payload) -> np.ndarray:
-    """One uint8 message: int64 element counts, then each array's bytes padded to 8."""
-    arrays = [np.ascontiguousarray(to_numpy(a)).reshape(-1) for a in payload]
-    out = np.zeros(8 * len(arrays) + sum(_pad8(a.nbytes) for a in arrays), dtype=np.uint8)
-    out[:8 * len(arrays)].view(np.int64)[:] = [a.size for a in arrays]
-    off = 8 * len(arrays)
-    for a in arrays:
-        out[off:off + a.nbytes] = a.view(np.uint8)
-        off += _pad8(a.nbytes)
-    return out
-
-
-def unpack(buf: np.ndarray, dtypes) -> tuple:
-    """The arrays of a pack()ed message (aligned views into buf)."""
-    m = len(dtypes)
-    counts = buf[:8 * m].view(np.int64)
-    off, out = 8 * m, []
-    for count, dt in zip(counts, dtypes):
-        nbytes = int(count) * np.dtype(dt).itemsize
-        out.append(buf[off:off + nbytes].view(dt))
-        off += _pad8(nbytes)
-    return tuple(out)
-
-
-def ring_allreduce_bytes(n: int, size: int, rank: int, itemsize: int = 4) -> int:
-    """Bytes rank sends in an uncompressed ring allreduce of n elements: every chunk but
-    one in the reduce-scatter and every chunk but one in the allgather (~2(p-1)/p * n)."""
-    if size == 1:
-        return 0
-    counts, _ = counts_displs(n, size)
-    return itemsize * (2 * n - counts[(rank + 1) % size] - counts[(rank + 2) % size])
-
-
-class _Ring:
-    """Ring exchanges over a communicator, counting the bytes this rank sends."""
-
-    def __init__(self, comm):
-        self.comm = comm.comm
-        self.rank, self.size = comm.rank, comm.size
-        self.right, self.left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        self.sent = 0
-
-    def shift(self, buf: np.ndarray) -> np.ndarray:
-        """Send buf to the right neighbour; return what the left one sent (any length)."""
-        req = self.comm.Isend([buf, MPI.BYTE], dest=self.right, tag=_TAG)
-        status = MPI.Status()
-        self.comm.Probe(source=self.left, tag=_TAG, status=status)
-        out = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-        self.comm.Recv([out, MPI.BYTE], source=self.left, tag=_TAG)
-        req.Wait()
-        self.sent += buf.nbytes
-        return out
-
-    def allgather(self, mine: np.ndarray) -> list:
-        """Every rank's uint8 message, in rank order (p-1 shifts, forwarding)."""
-        blocks = [None] * self.size
-        blocks[self.rank] = mine
-        for s in range(self.size - 1):
-            # send block (r - s), receive block (r - s - 1)
-            mine = blocks[(self.rank - s) % self.size]
-            blocks[(self.rank - s - 1) % self.size] = self.shift(mine)
-        return blocks
-
-    def allreduce(self, x: np.ndarray, codec) -> np.ndarray:
-        """In-place sum of float32 x over ranks. Hops carry codec.encode(lo, x[lo:hi])
-        (lo: where the chunk starts); codec.add(msg, out) adds a message's values into
-        out, codec.set(msg, out) overwrites out with them."""
-        p, r = self.size, self.rank
-        counts, displs = counts_displs(x.shape[0], p)
-
-        def part(c):
-            return x[displs[c]:displs[c] + counts[c]]
-
-        # 1. reduce-scatter: at hop s send chunk r-s, add the received chunk r-s-1
-        for s in range(p - 1):
-            a = (r - s) % p
-            codec.add(self.shift(codec.encode(displs[a], part(a))), part((r - s - 1) % p))
-        # 2. my chunk r+1 now holds the full sum; keep its encoded form, so every rank
-        #    ends with the same numbers
-        own = (r + 1) % p
-        msg = codec.encode(displs[own], part(own))
-        codec.set(msg, part(own))
-        # 3. allgather the encoded sums: at hop s forward chunk r+1-s, receive chunk r-s
-        for s in range(p - 1):
-            msg = self.shift(msg)
-            codec.set(msg, part((r - s) % p))
-        return x
-
-
-class _RawCodec:
-    """float32 chunks as they are (the uncompressed ring)."""
-
-    @staticmethod
-    def encode(lo: int, chunk: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(chunk).view(np.uint8)
-
-    @staticmethod
-    def add(msg: np.ndarray, out: np.ndarray) -> None:
-        out += msg.view(np.float32)
-
-    @staticmethod
-    def set(msg: np.ndarray, out: np.ndarray) -> None:
-        out[...] = msg.view(np.float32)
-
-
-class _CompressorCodec:
-    """Chunks as a compressor's packed payload. With error feedback, what each encoding
-    drops (data - decoded) is added to `err` at the chunk's positions."""
-
-    def __init__(self, c: Compressor, err):
-        self.c, self.err = c, err
-        self.dtypes = [a.dtype for a in c.encode(np.zeros(0, np.float32), None)[0]]
-
-    def encode(self, lo: int, data: np.ndarray) -> np.ndarray:
-        msg = pack(self.c.encode(np.ascontiguousarray(data), None)[0])
-        if self.err is not None:
-            e = self.err[lo:lo + data.shape[0]]
-            e += data
-            e -= self.c.decompress(unpack(msg, self.dtypes), {"n": data.shape[0]})
-        return msg
-
-    def add(self, msg: np.ndarray, out: np.ndarray) -> None:
-        self.c.decode_add(unpack(msg, self.dtypes), {"n": out.shape[0]}, out)
-
-    def set(self, msg: np.ndarray, out: np.ndarray) -> None:
-        out[...] = 0
-        self.add(msg, out)
-
-
-class Handle:
-    """What allreduce_async returns: the reduction already ran; wait() gives its result."""
-
-    def __init__(self, result):
-        self._result = result
-
-    def wait(self):
-        return self._result
-
-
-def _address(a) -> int:
-    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
-
-
-def bucket_key(buf) -> tuple[int, int]:
-    """(element offset of buf inside the array it views, length): the same for the same
-    bucket of a persistent flat buffer on every rank and after a restart."""
-    base = buf
-    while isinstance(getattr(base, "base", None), np.ndarray) or \
-            is_cupy(getattr(base, "base", None)):     # not past the array: a torch tensor
-        base = base.base
-    offset = (_address(buf) - _address(base)) // buf.dtype.itemsize if base is not buf else 0
-    return int(offset), int(buf.shape[0])
-
-
-def _bucket_layout(layout, buf):
-    """(the layout of the segments bucket buf covers, None), or (None, ValueError) when it
-    cuts a segment."""
-    lo, n = bucket_key(buf)
-    parts = layout.clip(lo, lo + n)
-    if not parts or any(start != layout.segments[i].offset or stop != layout.segments[i].stop
-                         for i, start, stop in parts):
-        return None, ValueError(f"bucket [{lo}, {lo + n}) does not cover whole segments of "
-                                f"the layout; pass the bucket's own layout")
-    return layout.subset(layout.segments[i].name for i, _, _ in parts), None
 
 
 class CompressedAllreduce:
@@ -338,13 +156,13 @@ class CompressedAllreduce:
             raise ValueError(f"compressed allreduce supports op 'sum' or 'avg', got {op!r}")
         err = None
         if layout is not None and getattr(buf, "ndim", 0) == 1 and layout.numel != buf.shape[0]:
-            layout, err = _bucket_layout(layout, buf)
+            layout, err = bucket_layout(layout, buf)
         return Handle(self._reduce(buf, layout, op, err))
 
     def _reduce(self, grad, layout, op, err=None):
         skip = self._agree(grad, layout, err)
         xp = get_array_module(grad)
-        ring = _Ring(self.comm)
+        ring = Ring(self.comm)
         self.last_skipped = skip
         if skip:
             self.skipped_steps += 1
@@ -354,7 +172,7 @@ class CompressedAllreduce:
             work = xp.ascontiguousarray(grad, dtype=np.float32)
             if state[1] < self.warmup_steps:
                 # warm-up: the uncompressed float32 ring
-                out = xp.asarray(ring.allreduce(to_numpy(work).copy(), _RawCodec))
+                out = xp.asarray(ring.allreduce(to_numpy(work).copy(), RawCodec))
             elif self.algorithm == "gather":
                 out = self._gather(ring, state[0], work, layout)
             elif self.algorithm == "ring":
@@ -379,7 +197,6 @@ class CompressedAllreduce:
         (mpidist.compress.reduce_scatter). Each range (lo, len(buf)) has its own compressor
         and residual; warm-up, inf/NaN handling and byte counts as for the allreduce.
         """
-        from mpidist.compress.reduce_scatter import reduce_scatter
         err = None
         m = int(buf.shape[0]) if getattr(buf, "ndim", 0) == 1 else 0
         if n is None and isinstance(lo, (int, np.integer)):
@@ -413,7 +230,7 @@ class CompressedAllreduce:
         self.total_bytes_sent += sent
         return out
 
-    def _gather(self, ring: _Ring, c: Compressor, x, layout):
+    def _gather(self, ring: Ring, c: Compressor, x, layout):
         """Allgather every rank's payload; decompress and sum them in rank order."""
         payload, ctx = c.compress(x, layout)
         dtypes = [a.dtype for a in payload]
@@ -423,7 +240,7 @@ class CompressedAllreduce:
             c.decode_add(tuple(xp.asarray(a) for a in unpack(msg, dtypes)), ctx, out)
         return out
 
-    def _ring(self, ring: _Ring, c: Compressor, x):
+    def _ring(self, ring: Ring, c: Compressor, x):
         """Ring reduce-scatter and allgather on encoded chunks, re-encoding partial sums.
 
         With error feedback every encoding's loss (data - decode(message)) is kept by the
@@ -431,20 +248,20 @@ class CompressedAllreduce:
         equal the sum of the inputs, as with a gather."""
         host = np.array(to_numpy(c._begin(x, None)), dtype=np.float32)   # + residual
         err = np.zeros_like(host) if c.error_feedback else None
-        ring.allreduce(host, _CompressorCodec(c, err))
+        ring.allreduce(host, CompressorCodec(c, err))
         xp = get_array_module(x)
         if err is not None:
             c.residual = xp.asarray(err)
         c.step += 1
         return xp.asarray(host)
 
-    def _linear(self, ring: _Ring, c: Compressor, x, layout):
+    def _linear(self, ring: Ring, c: Compressor, x, layout):
         """The compressor's own reduce, its sums done by the float32 ring."""
         xp = get_array_module(x)
 
         def allreduce_sum(a):
             return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
-                                             _RawCodec))
+                                             RawCodec))
 
         return c.reduce(x, layout, allreduce_sum)
 

@@ -9,13 +9,9 @@ the step alone: nothing rank-dependent). Stateful compressors keep, per rank:
 - compressor-specific state (PowerSGD's warm-start Q).
 state_dict / load_state_dict checkpoint all of it.
 
-Aggregation tells the compressed allreduce how payloads combine by default:
-- "gather": payloads are allgathered, each rank decompresses every one and sums (a ring
-  on re-encoded chunks may be asked for instead);
-- "ring": a ring reduce-scatter/allgather on encoded chunks (fp16, bf16: re-encoding a
-  partial sum costs one more rounding);
-- "linear": payload coordinates add up across ranks (shared random indices, PowerSGD's
-  shared P), so they go through a plain sum-allreduce; see `reduce`.
+`aggregation` tells the compressed allreduce how payloads combine by default: "gather"
+(each rank decompresses every payload), "ring" (encoded partial sums) or "linear"
+(coordinates that add up, through a plain sum-allreduce: `reduce`).
 """
 from __future__ import annotations
 

@@ -3,22 +3,14 @@ the sending side and on the side that reduces each chunk (Tang et al. 2021, Algo
 Li et al. 2021): the "worker" and "server" errors, with chunk r of the buffer served by
 rank r, so no parameter server is needed.
 
-Per step, over the ranks of comm, for an n-element flat momentum whose chunk r is
-chunk(n, r, size) (mpidist.partition):
-
-  1. worker: each rank compresses its local momentum m_i plus its worker residual, one
-     piece per chunk owner, and keeps what each piece dropped (CompressedAllreduce's
-     compressed reduce-scatter, which also does the exchange, by alltoallv); a buffer may
-     go in ranges (ZeRO's gradient buckets), each with its own residual
-  2. server: the owner of chunk r sums the pieces it received in rank order, divides by
-     size, adds its server residual, compresses, and keeps what that dropped
-  3. every rank gathers the owners' payloads (allgatherv) and decodes them into the whole
-     averaged momentum: the same bits on every rank, kept in `momentum` (multiplied by
-     `scale` when the momenta were sent divided by it: 1-bit Adam's preconditioning)
-
-Bytes per rank: (size-1)/size of a payload to the owners, and (size-1) copies of its own
-chunk's payload to the others; with signs, 2(size-1)/size * n/8 bytes plus the scales,
-against 2(size-1)/size * 4n for a dense float32 ring.
+Per step, for an n-element flat momentum whose chunk r is chunk(n, r, size):
+  1. worker: each rank compresses its momentum plus its worker residual, one piece per
+     chunk owner (the compressed reduce-scatter; a buffer may go in ranges, each with its
+     own residual)
+  2. server: the owner of chunk r sums its pieces in rank order, divides by size, adds its
+     server residual, compresses, and keeps what that dropped
+  3. every rank gathers the owners' payloads and decodes them into the averaged momentum:
+     the same bits on every rank, in `momentum` (times `scale`: 1-bit Adam's preconditioning)
 """
 from __future__ import annotations
 
@@ -28,7 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.comm import as_communicator
-from mpidist.compress.allreduce import CompressedAllreduce, pack, unpack
+from mpidist.compress.allreduce import CompressedAllreduce
+from mpidist.compress.wire import pack, unpack
 from mpidist.compress.base import Compressor
 from mpidist.kernels.backend import get_array_module, synchronize, to_numpy
 from mpidist.partition import chunk

@@ -5,7 +5,6 @@ A buffer is the global range [lo, lo + m) of an n-element flat gradient whose sh
 chunk(n, r, size) (mpidist.partition). Per call, on every rank:
 
   1. split: the piece of the buffer each rank owns, [lo, lo + m) ∩ chunk(n, r, size)
-     (often empty: a bucket usually touches one or two shards)
   2. encode: every piece compressed on its own, in one compressor call for the buffer;
      error feedback keeps, per destination piece, what that piece's encoding dropped
   3. exchange: the packed payloads' byte counts by alltoall, then the payloads by
@@ -14,30 +13,18 @@ chunk(n, r, size) (mpidist.partition). Per call, on every rank:
      float32 zero vector: the result does not depend on arrival order, and it is the
      decompress-then-sum of every rank's payload, as the gather allreduce forms it
 
-Bytes sent: the payloads to the other ranks, with their 8-byte length headers and padding
-(pack()); the alltoall of counts is not counted, as the allreduce's agreement is not.
+Bytes sent: the payloads to the other ranks, with their headers and padding (pack()).
 """
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.compress.allreduce import pack, unpack
+from mpidist.compress.wire import pack, unpack
 from mpidist.kernels.backend import get_array_module
-from mpidist.partition import chunk
+from mpidist import partition
 
-__all__ = ["pieces_of", "reduce_scatter"]
-
-
-def pieces_of(lo: int, m: int, n: int, size: int) -> list[tuple[int, int]]:
-    """(start relative to lo, count) of [lo, lo + m) ∩ chunk(n, r, size) for every rank r;
-    they tile [0, m) in rank order."""
-    out = []
-    for r in range(size):
-        offset, count = chunk(n, r, size)
-        a, b = max(lo, offset), min(lo + m, offset + count)
-        out.append((min(max(a - lo, 0), m), max(0, b - a)))
-    return out
+__all__ = ["reduce_scatter"]
 
 
 def _raw_pieces(x, pieces):
@@ -50,7 +37,7 @@ def reduce_scatter(comm, compressor, x, lo: int, n: int):
     on every rank; compressor None: float32 pieces (warm-up). Collective over comm."""
     p, me = comm.size, comm.rank
     xp = get_array_module(x)
-    pieces = pieces_of(lo, x.shape[0], n, p)
+    pieces = partition.pieces(lo, lo + x.shape[0], n, p)
     # 1.-2. split and encode, one payload per owner
     if compressor is None:
         encoded = _raw_pieces(x, pieces)

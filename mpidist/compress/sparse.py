@@ -10,18 +10,9 @@ Per call, on each rank, for the one buffer this compressor serves:
   3. sparsify v at this call's ratio: the warm-up's stages, then `ratio`
   4. v <- v - C(v); momentum factor masking: u <- 0 where C(v) sent, so a sent
      coordinate's stale velocity does not keep pushing it after its update
-Invariant (every call, with or without masking): sum of what was sent + v = sum of the u
-(or g) accumulated, every u taken after step 2 of its call.
-
-Momentum correction moves the momentum in front of the compression: with SGD or LARS,
-set the optimizer's own momentum to 0 (the config rejects both). Adaptive optimizers
-(AdamW, LAMB) take the sent velocity as their gradient (their per-element normalisation
-absorbs its 1/(1-m) scale), on top of their own first moment: it runs, but on the main
-job (LAMB) it trained worse than plain error feedback; it is meant for momentum SGD.
-
-warmup: stages [[ratio, calls], ...] run before `ratio`, e.g. DGC's exponential ramp
-[[0.25, 11], [0.0625, 11], [0.015625, 11]] (one stage per epoch of 11 steps): dense
-early updates while the model moves fastest, then the target density.
+Invariant: sum of what was sent + v = sum of the u (or g) accumulated. Momentum correction
+is meant for momentum SGD (set the optimizer's own momentum to 0). warmup: stages
+[[ratio, calls], ...] run before `ratio`, e.g. DGC's exponential ramp.
 """
 from __future__ import annotations
 

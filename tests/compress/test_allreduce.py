@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mpidist.compress import CompressedAllreduce, make_compressor
-from mpidist.compress.allreduce import pack, ring_allreduce_bytes, unpack
+from mpidist.compress.ring import ring_allreduce_bytes
+from mpidist.compress.wire import pack, unpack
 from mpidist.errors import MismatchError, RemoteError
 from mpidist.flat import Layout
 

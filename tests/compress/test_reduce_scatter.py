@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 
 from mpidist.compress import CompressedAllreduce, make_compressor
-from mpidist.compress.reduce_scatter import pieces_of
 from mpidist.errors import RemoteError
-from mpidist.partition import chunk
+from mpidist.partition import chunk, pieces
 
 N = 3000
 CONFIGS = [("topk", {"ratio": 0.05}), ("topk", {"ratio": 0.05, "momentum": 0.9}),
@@ -29,10 +28,10 @@ def mine(lo, m, rank, size):
 def test_pieces_tile_the_range_in_rank_order():
     for size in (1, 2, 3, 4, 7):
         for lo, m in RANGES + [(5, 2990)]:
-            pieces = pieces_of(lo, m, N, size)
-            assert [c for _, c in pieces] == [mine(lo, m, r, size)[1] for r in range(size)]
-            ends = np.cumsum([0] + [c for _, c in pieces])
-            assert ends[-1] == m and [s for s, _ in pieces] == list(ends[:-1])
+            got = pieces(lo, lo + m, N, size)
+            assert [c for _, c in got] == [mine(lo, m, r, size)[1] for r in range(size)]
+            ends = np.cumsum([0] + [c for _, c in got])
+            assert ends[-1] == m and [s for s, _ in got] == list(ends[:-1])
 
 
 @pytest.mark.parametrize("name,opts", CONFIGS)
@@ -45,11 +44,11 @@ def test_equals_decompress_then_sum_reference(comm, name, opts, lo, m):
     for step in range(2):
         out = ca.reduce_scatter(grad(step, comm.rank, m), lo=lo, n=N)
         start, count = mine(lo, m, comm.rank, comm.size)
-        pieces = pieces_of(lo, m, N, comm.size)
+        owned = pieces(lo, lo + m, N, comm.size)
         want = np.zeros(count, np.float32)
         for r, c in enumerate(refs):
             c.stream = r
-            payload, ctx = c.compress_pieces(grad(step, r, m), pieces)[comm.rank]
+            payload, ctx = c.compress_pieces(grad(step, r, m), owned)[comm.rank]
             c.decode_add(payload, ctx, want)
         assert out.dtype == np.float32 and out.shape == (count,)
         assert comm.all(np.array_equal(out, want)), name
