@@ -1,37 +1,16 @@
 """`mpidist bench allreduce`: a size sweep of every allreduce algorithm beside the MPI
 library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
 
-    python -m mpidist.launcher -n 4 -- mpidist bench allreduce
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --sizes 8,4K,1M,64M --reps 5
-    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --calibrate
-    MPIDIST_RANKS_PER_NODE=2 python -m mpidist.launcher -n 4 -- mpidist bench allreduce
-    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
+    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --calibrate --dtype float16
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --table allreduce-table.json
 
-For each size (bytes of --dtype, float32 by default; half precision is reduced in float32,
-so its model column and auto's choice are for the widened bytes) and algorithm: time of one
-allreduce, the median over interleaved rounds of the slowest rank's time after a warm-up
-(each round runs every algorithm once, auto included, in an order shuffled per round with a
-seed every rank shares: costmodel.time_rounds, as the cost model's probe measures), its
-spread (the interquartile range over the median), algbw = size / time and busbw = algbw * 2
-(p-1) / p, the bandwidth each link actually carries, comparable across rank counts. "auto"
-is the public allreduce's default, with the algorithm it ran in brackets; its dispatch cost
-(the decision lookup alone, and the whole argument check against an explicit algorithm's)
-is timed separately and printed in the header. The model is probed afresh at the start
-(--no-refit keeps the cached one; --calibrate probes at exactly this sweep's sizes and
-repetitions, a first independent sweep); "model us" is its prediction for each algorithm,
-"error" its distance to this sweep's median. auto runs the decision table's pick (--table,
-else env MPIDIST_ALGORITHM_TABLE; without one the built-in rule's: collectives.select); the
-summary also says what the model's own choice, timed in the same sweep as one of the
-algorithms, would have cost. "textbook" is the 20-line blocking Sendrecv ring, the
-reference every own algorithm is held against. Every call goes through the public
-allreduce() and its result is checked.
-A reference copy and the machine state (costmodel.machine_state, a 256 KiB MPI_Allreduce),
-timed before the sweep and after each size (bench.steadiness), show how much the machine's
-own speed drifted during the run; the probe stores the state it saw with the model, and
-the summary gives the model's error also over the sizes where the state stayed within 25%
-of the probe's (beyond that the model describes another machine than the one timed).
-Writes allreduce.csv, allreduce.json and allreduce.png under --out (rank 0).
+Per size and algorithm, through the public allreduce() with its result checked: the median
+over interleaved rounds (order shuffled per round) of the slowest rank's time, its spread,
+algbw and busbw = algbw * 2(p-1)/p, the cost model's prediction and error; "auto" with the
+algorithm it ran; "textbook", the blocking ring every algorithm is held against. The
+machine's own drift (bench.steadiness) is sampled around each size. Writes allreduce.csv,
+.json and .png under --out (rank 0). See docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -46,11 +25,21 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives.tuning.costmodel import STATE_BYTES, STATE_TOLERANCE, state_held
+from mpidist.bench.steadiness import Steadiness
+from mpidist.collectives import ALGORITHMS, allreduce, flight, select
+from mpidist.collectives.core import prepare_allreduce
+from mpidist.collectives.ops import accumulator_dtype
+from mpidist.collectives.tuning import costmodel
+from mpidist.collectives.tuning.costmodel import (STATE_BYTES, STATE_TOLERANCE, state_held,
+                                                  time_rounds)
+from mpidist.comm import Communicator, mpi_library
+from mpidist.partition import chunk
+from mpidist.sizes import format_size, parse_sizes
 
 __all__ = ["main", "textbook_ring"]
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
+MIN_ROUNDS = 3
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(ml_dtypes.bfloat16), "float64": np.dtype(np.float64),
           "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
@@ -60,24 +49,21 @@ def textbook_ring(comm, x) -> None:
     """The textbook ring: blocking Sendrecv, reduce-scatter then allgather, in place, in
     x's own dtype (messages move as raw bits: MPI has no half precision types)."""
     mpi, p, r = comm.comm, comm.size, comm.rank
-    counts = [len(x) // p + (i < len(x) % p) for i in range(p)]
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    part = [x[starts[i]:starts[i + 1]] for i in range(p)]
+    part = [x[o:o + c] for o, c in (chunk(len(x), i, p) for i in range(p))]
     bits = [v.view(f"u{x.itemsize}") for v in part]
-    tmp = np.empty(max(counts), x.dtype)
+    tmp = np.empty(len(part[0]), x.dtype)
     right, left = (r + 1) % p, (r - 1) % p
     for t in range(p - 1):
         s, q = (r - t) % p, (r - t - 1) % p
-        mpi.Sendrecv(bits[s], right, 0, tmp[:counts[q]].view(bits[s].dtype), left, 0)
-        np.add(part[q], tmp[:counts[q]], out=part[q])
+        got = tmp[:len(part[q])]
+        mpi.Sendrecv(bits[s], right, 0, got.view(bits[s].dtype), left, 0)
+        np.add(part[q], got, out=part[q])
     for t in range(p - 1):
         s, q = (r - t + 1) % p, (r - t) % p
         mpi.Sendrecv(bits[s], right, 0, bits[q], left, 0)
 
 
 def _parse(argv):
-    from mpidist.collectives import ALGORITHMS
-    from mpidist.sizes import parse_sizes
     p = argparse.ArgumentParser(prog="mpidist bench allreduce",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=DEFAULT_SIZES, type=parse_sizes,
@@ -86,9 +72,7 @@ def _parse(argv):
     p.add_argument("--algorithms", default=",".join(every),
                    help=f"algorithms to run (default: {','.join(every)})")
     p.add_argument("--reps", type=int, default=400,
-                   help="timed rounds per size at most (fewer for large sizes, at least 3); "
-                        "small sizes need many: a 5 us call's median over 50 rounds moves "
-                        "by a few percent from run to run")
+                   help="timed rounds per size at most (fewer for large sizes, at least 3)")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="time budget per point (size x algorithm), which caps the rounds")
     p.add_argument("--seed", type=int, default=0,
@@ -118,17 +102,12 @@ def _parse(argv):
     return args
 
 
-MIN_ROUNDS = 3
-
-
 def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed: int):
     """{algorithm: (seconds per round, result ok)} and the rounds, for one size.
 
     One checked warm-up call each (scratch buffers, windows), then interleaved rounds
     (costmodel.time_rounds), as many as fit in about `seconds` per algorithm, at least
     MIN_ROUNDS, at most reps."""
-    from mpidist.collectives import allreduce
-    from mpidist.collectives.tuning.costmodel import time_rounds
 
     def call(alg):
         if alg == "textbook":
@@ -154,11 +133,8 @@ def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed:
 def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:
     """Seconds per call, slowest rank, of auto's decision lookup (select.choose) and of
     the whole argument check with "auto" and with "native" (prepare_allreduce)."""
-    from mpidist.collectives import flight
-    from mpidist.collectives.core import prepare_allreduce
-    from mpidist.collectives.select import choose
     x = np.ones(max(1, nbytes // 4), np.float32)
-    probes = {"choose": lambda: choose(comm, nbytes),
+    probes = {"choose": lambda: select.choose(comm, nbytes),
               "prepare_auto": lambda: flight.end(prepare_allreduce(comm, x, "sum", "auto", None)[-1]),
               "prepare_native": lambda: flight.end(prepare_allreduce(comm, x, "sum", "native", None)[-1])}
     out = {}
@@ -175,7 +151,7 @@ def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:
 
 
 def _plot(rows, path: str, title: str) -> None:
-    import matplotlib
+    import matplotlib                  # heavy, and only rank 0 plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -201,12 +177,6 @@ def _plot(rows, path: str, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mpidist.bench.steadiness import Steadiness
-    from mpidist.collectives import select
-    from mpidist.collectives.ops import accumulator_dtype
-    from mpidist.collectives.tuning import costmodel
-    from mpidist.comm import Communicator, mpi_library
-    from mpidist.sizes import format_size
     args = _parse(argv)
     if args.table:
         select.use_table(args.table)
@@ -309,10 +279,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _auto_vs_best_paired(timed: dict) -> float | None:
-    """Median over rounds of auto's time over the best candidate's time in the same round
-    (best: the lowest median of mpidist's own algorithms and native). The two calls of a
-    round run back to back, so a drift of the machine's speed between rounds cancels,
-    which a ratio of two medians does not: a steadier figure for "auto picks the best"."""
+    """Median over rounds of auto's time over the best candidate's (lowest median) in the
+    same round: a drift of the machine's speed between rounds cancels."""
     cands = [a for a in timed if a not in ("auto", "textbook")]
     if "auto" not in timed or not cands:
         return None
@@ -396,8 +364,7 @@ def _summary(rows, p: int) -> None:
         line = (f"  auto vs best (target <= 1.10x): worst {worst[0]:.2f}x at {worst[1]} B "
                 f"(ratio of medians); worst {paired[0]:.2f}x at {paired[1]} B (median of "
                 f"per-round ratios)")
-        # auto's pick is tried at the start of a size: a state that moved during the size
-        # may have changed which algorithm is best
+        # a state that moved during a size may have changed which algorithm is best
         held = [(ratio, s) for ratio, s in autos if _state_held(by[s, "auto"])]
         if held and len(held) < len(autos):
             w = max(held)
