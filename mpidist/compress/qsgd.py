@@ -33,7 +33,7 @@ class QSGD(Compressor):
                              f"got {levels}")
         self.levels = int(levels)
         self.bucket = check_multiple_of_8(bucket, "QSGD bucket")
-        from mpidist.kernels.compress_cpu import qsgd_width
+        from mpidist.kernels.compress_cpu import qsgd_width   # Numba: loaded on first use
         self.width = qsgd_width(self.levels)
 
     def config(self) -> dict:
