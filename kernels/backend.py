@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["get_array_module", "is_cupy", "kernels_for", "cupy_available", "gpu_available",
+__all__ = ["get_array_module", "is_cupy", "cupy_available", "gpu_available",
            "to_numpy", "synchronize", "cupy", "handoff", "take_over"]
 
 
@@ -23,16 +23,6 @@ def get_array_module(*arrays):
         if is_cupy(x):
             return sys.modules["cupy"]
     return np
-
-
-def kernels_for(x):
-    """The kernel module for x: Numba CPU kernels for NumPy, GPU kernels for CuPy (the
-    compressors' encoders and decoders, and the half precision casts of the collectives)."""
-    if is_cupy(x):
-        from mpidist.kernels import compress_gpu
-        return compress_gpu
-    from mpidist.kernels import compress_cpu
-    return compress_cpu
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +40,7 @@ def gpu_available() -> bool:
     """CuPy imports and sees at least one CUDA device."""
     if not cupy_available():
         return False
-    import cupy
+    import cupy                     # optional: checked above
     try:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:
@@ -61,7 +51,7 @@ def cupy():
     """The cupy module; a clear error where it is missing."""
     if not cupy_available():
         raise RuntimeError("this needs CuPy and a CUDA GPU: pip install 'mpidist[gpu]'")
-    import cupy as cp
+    import cupy as cp               # optional: checked above
     return cp
 
 

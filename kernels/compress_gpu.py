@@ -1,7 +1,7 @@
 """GPU kernels of the gradient compressors: numba.cuda kernels over CuPy arrays.
 
 Same names and signatures as `compress_cpu`, so a compressor picks its module from the data
-(`mpidist.compress.base.kernels_for`). The per-element formulas are the CPU module's scalar
+(`mpidist.kernels.dispatch.kernels_for`). The per-element formulas are the CPU module's scalar
 functions, compiled for the device from the same Python source (`.py_func`): one formula,
 two devices. Kernels are built on first use and cached, so importing this module needs
 neither CuPy nor a GPU; under NUMBA_ENABLE_CUDASIM=1 they run in Numba's CUDA simulator on
@@ -160,7 +160,7 @@ def _kernels() -> SimpleNamespace:
 @functools.lru_cache(maxsize=None)
 def _absmax_reduction():
     """One CuPy reduction pass over the bits (masking first made a temporary: three passes)."""
-    import cupy as cp
+    import cupy as cp            # optional: only CuPy data comes here
     return cp.ReductionKernel("uint32 b", "uint32 m", "b & 0x7FFFFFFFu", "max(a, b)", "m = a",
                               "0", "mpidist_absmax_bits")
 
@@ -247,7 +247,7 @@ def sample_abs(x, seed, out) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _abs_at_least():
-    import cupy as cp
+    import cupy as cp            # optional: only CuPy data comes here
     return cp.ElementwiseKernel("T x, T thr", "bool m", "m = (x < 0 ? -x : x) >= thr",
                                 "mpidist_abs_at_least")
 
@@ -256,7 +256,7 @@ def collect_above(x, thr, idx) -> int:
     """Indices i (ascending) with |x[i]| >= thr into idx; returns how many there are
     (may exceed idx.size: then idx holds the first idx.size of them)."""
     if is_cupy(x):                                # one pass, no |x| temporary
-        import cupy as cp
+        import cupy as cp                         # optional: x is a CuPy array
         mask = _abs_at_least()(x, cp.asarray(thr, dtype=x.dtype))
     else:
         mask = np.abs(x) >= thr

@@ -10,8 +10,13 @@ import argparse
 import importlib
 import os
 import pkgutil
+import platform
 import sys
+import traceback
 
+import mpidist
+import mpidist.bench
+from mpidist.launcher import main as launch
 from mpidist.launcher import unwired_launch
 
 __all__ = ["main", "info"]
@@ -30,9 +35,9 @@ def info(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=None,
                         help="simulate nodes of this many ranks (else MPIDIST_RANKS_PER_NODE)")
     args = parser.parse_args(argv)
-    import platform
+    # here, not at the top: `from mpi4py import MPI` initialises MPI, which `mpidist run`
+    # must not do before it starts mpiexec, and these are slow for `mpidist --help`
     from mpi4py import MPI
-    import mpidist
     from mpidist.collectives import select
     from mpidist.comm import Communicator, mpi_library
     from mpidist.h5 import parallel_hdf5
@@ -41,7 +46,7 @@ def info(argv: list[str] | None = None) -> int:
     comm = Communicator(ranks_per_node=args.ranks_per_node)
     hosts = comm.comm.gather(MPI.Get_processor_name(), root=0)
     if comm.rank == 0:
-        import h5py
+        import h5py                 # slow to import, as above
         import numba
         import numpy
         rows = [
@@ -79,7 +84,6 @@ def _auto_line(select, comm) -> str:
 
 
 def _bench_names() -> list[str]:
-    import mpidist.bench
     return sorted(m.name for m in pkgutil.iter_modules(mpidist.bench.__path__)
                   if not m.name.startswith("_"))
 
@@ -112,7 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "run":
-        from mpidist.launcher import main as launch
         return launch(rest)
     if cmd not in ("info", "bench", *_DISPATCH):
         print(f"mpidist: unknown command {cmd!r}; commands: {', '.join(commands)}",
@@ -145,7 +148,6 @@ def _abort_job(cmd: str) -> None:
     if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized() \
             or mpi.COMM_WORLD.Get_size() == 1:
         return
-    import traceback
     print(f"mpidist {cmd}: unexpected error on rank {mpi.COMM_WORLD.Get_rank()}, aborting the "
           f"job\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     mpi.COMM_WORLD.Abort(1)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from mpidist.errors import MismatchError, agree_or_raise, format_ranks
-from mpidist.kernels.backend import is_cupy, synchronize
+from mpidist.kernels.backend import cupy, is_cupy, synchronize
 
 __all__ = ["Communicator", "Grid", "default_communicator", "as_communicator", "on_free",
            "ENV_RANKS_PER_NODE", "ENV_CUDA_AWARE"]
@@ -192,7 +192,6 @@ class Communicator:
         """Make this rank's GPU CuPy's current device and return its id: the node's GPUs
         round-robin by local rank (as Horovod and DDP pin one GPU per local rank), among
         those CUDA_VISIBLE_DEVICES shows."""
-        from mpidist.kernels.backend import cupy
         cp = cupy()
         device = self.local_rank % cp.cuda.runtime.getDeviceCount()
         cp.cuda.Device(device).use()

@@ -20,6 +20,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
+import h5py
 import numpy as np
 from mpi4py import MPI
 
@@ -52,14 +53,14 @@ def facts(comm: Communicator) -> dict:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     try:
-        import numba
+        import numba                    # slow to import: only the doctor's facts need it
         numba_threads = int(numba.config.NUMBA_NUM_THREADS)
         numba_layer = str(numba.config.THREADING_LAYER)
     except Exception:
         numba_threads, numba_layer = 0, "unavailable"
     gpus = 0
     if gpu_available():
-        import cupy
+        import cupy                     # optional: a GPU is present
         gpus = cupy.cuda.runtime.getDeviceCount()
     return {
         "rank": comm.rank, "size": comm.size, "host": MPI.Get_processor_name(),
@@ -231,7 +232,6 @@ def check_gpu(all_facts: list[dict], cuda_aware: bool) -> Verdict:
 
 def check_hdf5(all_facts: list[dict], mpio: bool) -> Verdict:
     """Whether h5py has MPI-IO (parallel checkpoints) or writes in turns."""
-    import h5py
     if mpio:
         return Verdict(OK, f"h5py {h5py.__version__} with MPI-IO: checkpoints written in parallel")
     return Verdict(WARN, f"h5py {h5py.__version__} without MPI-IO (or MPIDIST_HDF5_MPIO=0): "

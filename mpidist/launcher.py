@@ -16,6 +16,7 @@ docs/PERFORMANCE.md; how to launch: docs/LAUNCHING.md.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import os
 import shutil
@@ -68,8 +69,6 @@ def _cma_probe() -> bool:
 
     That is the permission Open MPI's CMA single copy needs between ranks (reading a parent
     is refused under the stricter ptrace rules too, so the answer errs towards "no")."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if not hasattr(libc, "process_vm_readv"):
         return False

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from mpidist.launcher import mpi_env, mpi_vendor, mpiexec_argv
+
 __all__ = ["SimCluster", "unavailable_reason", "parse_rate", "nic_bytes", "cleanup_stale",
            "NIC", "SUBNET", "main"]
 
@@ -76,7 +78,6 @@ def unavailable_reason() -> str | None:
     for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
         if not shutil.which(tool):
             return f"`{tool}` not found: install {pkg}"
-    from mpidist.launcher import mpi_vendor
     try:
         if mpi_vendor() != "openmpi":
             return "the simulated cluster launches through Open MPI's rsh agent; " \
@@ -248,7 +249,6 @@ class SimCluster:
         the namespaces; real node detection (MPIDIST_RANKS_PER_NODE removed).
         thread_level: mpi4py's MPI_Init_thread level ("serialized" for one-sided windows
         across nodes), default mpi4py's own."""
-        from mpidist.launcher import mpi_env
         env = mpi_env(self.ranks_per_node, base)
         env.pop("MPIDIST_RANKS_PER_NODE", None)
         env.update({
@@ -273,7 +273,6 @@ class SimCluster:
     def argv(self, command: list[str], np: int | None = None) -> list[str]:
         """The command line that runs `command` on the cluster's ranks (np: default all,
         block placement: ranks 0..L-1 on node 0, ...)."""
-        from mpidist.launcher import mpiexec_argv
         np = self.size if np is None else int(np)
         if not 1 <= np <= self.size:
             raise ValueError(f"np must be in [1, {self.size}] on {self.nodes} x "

@@ -18,6 +18,12 @@ import time
 
 import numpy as np
 
+from mpidist.checkpoint import CheckpointManager, open_checkpoint
+from mpidist.checkpoint.writer import collective_io, fsync_path
+from mpidist.comm import default_communicator
+from mpidist.h5 import parallel_hdf5
+from mpidist.partition import chunk
+
 __all__ = ["main", "bench_state"]
 
 
@@ -28,7 +34,6 @@ class _Piece:
 
 def bench_state(size_bytes: int, tensors: int, rank: int, size: int) -> dict:
     """This rank's chunk() of `tensors` float32 tensors of size_bytes in all."""
-    from mpidist.partition import chunk
     layers = max(1, tensors // 3)
     per = max(1, size_bytes // 4 // (3 * layers))
     rng = np.random.default_rng(rank)
@@ -42,7 +47,6 @@ def bench_state(size_bytes: int, tensors: int, rank: int, size: int) -> dict:
 
 def _io_mode(collective: bool, io: str) -> str:
     """How the checkpoint writes: the MPI-IO mode, or in turns without MPI-IO."""
-    from mpidist.h5 import parallel_hdf5
     if not parallel_hdf5():
         return "ranks in turns (no MPI-IO)"
     return f"{'collective' if collective else 'independent'} MPI-IO ({io})"
@@ -81,10 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.size_mb <= 0 or a.repeat < 1 or a.tensors < 1:
         p.error("--size-mb, --repeat and --tensors must be positive")
 
-    from mpidist.checkpoint import CheckpointManager, open_checkpoint
-    from mpidist.checkpoint.writer import collective_io, fsync_path
-    from mpidist.comm import default_communicator
-    from mpidist.partition import chunk
 
     comm = default_communicator()
     c = comm.comm

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from mpidist.launcher import ft_supported
+
 __all__ = ["main"]
 
 JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -82,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     turns (every configuration once per repetition), medians over repetitions.
     """
     args = _parse(argv)
-    from mpidist.launcher import ft_supported       # only here: the CLI imports benches lazily
     if not ft_supported():
         print("mpidist bench ft: this MPI has no fault tolerance (ULFM); build the FT environment "
               "with `MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh` and run from it", file=sys.stderr)

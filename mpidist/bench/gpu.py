@@ -16,6 +16,15 @@ import traceback
 
 import numpy as np
 
+from mpidist.bench import compress as compress_bench
+from mpidist.bench import optim as optim_bench
+from mpidist.collectives import allreduce
+from mpidist.comm import Communicator, mpi_library
+from mpidist.compress import make_compressor
+from mpidist.kernels.backend import gpu_available
+from mpidist.optim import build_optimizer
+from mpidist.sizes import parse_sizes
+
 __all__ = ["main"]
 
 PHASES = ("bandwidth", "optim", "compress", "allreduce")
@@ -39,7 +48,7 @@ def _timed(cp, fn, reps: int) -> float:
 def _torch_cuda():
     """torch, when it imports and sees a GPU; else None."""
     try:
-        import torch
+        import torch                    # optional: the torch rows are skipped without it
     except ImportError:
         return None
     return torch if torch.cuda.is_available() else None
@@ -60,43 +69,40 @@ def bandwidth(cp, numel: int, reps: int) -> dict:
 
 def optimizers(cp, numel: int, tensors: int, reps: int, triad_GBps: float | None) -> dict:
     """Phase 2: each optimizer's step with the CuPy and the numba.cuda kernels (and torch's)."""
-    from mpidist.bench.optim import BYTES, CONFIGS, bench_layout, torch_optimizers
-    from mpidist.optim import build_optimizer
-    layout = bench_layout(numel, tensors)
+    layout = optim_bench.bench_layout(numel, tensors)
     g = cp.random.standard_normal(numel, dtype=cp.float32)
     p0 = cp.random.standard_normal(numel, dtype=cp.float32)
     rows = {}
     for backend in ("cupy", "numba-cuda"):
-        for name, h in CONFIGS:
+        for name, h in optim_bench.CONFIGS:
             opt = build_optimizer(name, layout, backend=backend, **h)
             p = p0.copy()
             t = _timed(cp, lambda: opt.step(p, g, finite=True), reps)
-            gbps = BYTES[name] * numel / t / 1e9
+            gbps = optim_bench.BYTES[name] * numel / t / 1e9
             rows[f"{name} ({backend})"] = {
-                "ms": t * 1e3, "bytes": BYTES[name], "GBps": gbps,
+                "ms": t * 1e3, "bytes": optim_bench.BYTES[name], "GBps": gbps,
                 "of_triad": gbps / triad_GBps if triad_GBps else None}
     torch = _torch_cuda()
     if torch is not None:
         params = [torch.randn(s.size, device="cuda") for s in layout]
         for q in params:
             q.grad = torch.randn_like(q)
-        for label, name, make in torch_optimizers(torch, params):
+        for label, name, make in optim_bench.torch_optimizers(torch, params):
             opt = make()
             t = _timed(cp, lambda: (opt.step(), torch.cuda.synchronize()), reps)
-            rows[label] = {"ms": t * 1e3, "bytes": BYTES[name],
-                           "GBps": BYTES[name] * numel / t / 1e9, "torch": torch.__version__}
+            nbytes = optim_bench.BYTES[name]
+            rows[label] = {"ms": t * 1e3, "bytes": nbytes, "GBps": nbytes * numel / t / 1e9,
+                           "torch": torch.__version__}
     return {"numel": numel, "tensors": len(layout), "rows": rows}
 
 
 def compressors(cp, numel: int, reps: int) -> dict:
     """Phase 3: each compressor's encode on a CuPy gradient, GB/s of float32 input."""
-    from mpidist.bench.compress import CONFIGS, bench_layout
-    from mpidist.compress import make_compressor
-    layout = bench_layout(numel)
+    layout = compress_bench.bench_layout(numel)
     x = cp.random.standard_normal(layout.numel, dtype=cp.float32)
     gb = x.nbytes / 1e9
     rows = {}
-    for label, name, opts in CONFIGS:
+    for label, name, opts in compress_bench.CONFIGS:
         c = make_compressor(name, **opts)
         payload, _ = c.compress(x, layout)           # kernel compilation, warm starts
         t = _timed(cp, lambda: c.encode(x, layout), reps)
@@ -115,7 +121,6 @@ def compressors(cp, numel: int, reps: int) -> dict:
 
 def allreduces(cp, comm, sizes: list[int], algorithms: list[str], reps: int) -> dict:
     """Phase 4 (collective): each algorithm on CuPy and NumPy buffers of each size."""
-    from mpidist.collectives import allreduce
     rows = {}
     for nbytes in sizes:
         n = nbytes // 4
@@ -198,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
          to a CUDA-aware MPI, else through host memory; the gap between the columns is that.
     Writes gpu.json under --out (rank 0).
     """
-    from mpidist.sizes import parse_sizes
     ap = argparse.ArgumentParser(prog="mpidist bench gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=64 * 2**20,
                     help="float32 elements of the optimizer and compressor phases (64M)")
@@ -216,15 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--only takes {', '.join(PHASES)}; need numel >= tensors >= 2, reps >= 1"
                  + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
 
-    from mpidist.comm import Communicator, mpi_library
-    from mpidist.kernels.backend import gpu_available
     comm = Communicator()
     if not all(comm.comm.allgather(gpu_available())):
         if comm.rank == 0:
             print("mpidist bench gpu: needs CuPy and a CUDA GPU on every rank")
         comm.free()
         return 2
-    import cupy as cp
+    import cupy as cp                   # optional: checked by gpu_available above
     props = cp.cuda.runtime.getDeviceProperties(comm.use_gpu())
     report = {"device": props["name"].decode(), "cupy": cp.__version__, "mpi": mpi_library(),
               "ranks": comm.size}

@@ -15,8 +15,14 @@ import subprocess
 import sys
 import time
 
+import numba
 import numpy as np
 from numba import njit, prange
+
+from mpidist.comm import default_communicator
+from mpidist.flat import Layout
+from mpidist.launcher import mpi_env
+from mpidist.optim import build_optimizer
 
 __all__ = ["main", "bench_layout", "torch_optimizers", "BYTES"]
 
@@ -39,7 +45,6 @@ CONFIGS = [
 def bench_layout(numel: int, tensors: int = 100):
     """`tensors` tensors, numel elements in all: weights of varied sizes, each followed by a
     small bias (so the layer-wise exclusions are exercised)."""
-    from mpidist.flat import Layout
     pairs = max(1, tensors // 2)
     rng = np.random.default_rng(0)
     w = rng.uniform(0.2, 1.8, pairs)
@@ -125,7 +130,7 @@ def torch_optimizers(torch, params) -> list:
 
 def _torch_rows(layout, numel, reps):
     try:
-        import torch
+        import torch                    # optional: the torch rows are skipped without it
     except ImportError:
         return {}
     torch.set_num_threads(int(os.environ.get("NUMBA_NUM_THREADS", os.cpu_count() or 1)))
@@ -178,7 +183,6 @@ def _first_call(name: str) -> dict:
     """Import and first-step seconds in a fresh process (run twice: the second has a warm
     Numba cache whatever the first found). name "floor": Numba's own floor, the first call
     of the cached triad kernel (numba import and target set-up, no optimizer)."""
-    from mpidist.launcher import mpi_env
     env = mpi_env(1)
     code, args = (_FLOOR, []) if name == "floor" else (_FIRST_CALL, [name])
     for _ in range(2):
@@ -192,9 +196,7 @@ def _first_call(name: str) -> dict:
 
 def run(numel: int, tensors: int, reps: int, first_call: bool) -> dict:
     """Rank 0: every phase of the benchmark; returns the report as a dict."""
-    import numba
 
-    from mpidist.optim import build_optimizer
     layout = bench_layout(numel, tensors)
     rng = np.random.default_rng(1)
     g = rng.standard_normal(numel).astype(np.float32)
@@ -280,7 +282,7 @@ def _write(res: dict, out: str) -> None:
         w.writerow(["kernel"] + keys)
         for label, r in res["rows"].items():
             w.writerow([label] + [r.get(k, "") for k in keys])
-    import matplotlib
+    import matplotlib                  # slow to import, and only rank 0 plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = [n for n, _ in CONFIGS]
@@ -326,7 +328,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.numel < args.tensors or args.tensors < 2 or args.reps < 1:
         ap.error("need numel >= tensors >= 2 and reps >= 1")
 
-    from mpidist.comm import default_communicator
     comm = default_communicator()
     if comm.rank == 0:
         res = run(args.numel, args.tensors, args.reps, not args.no_first_call)

@@ -23,7 +23,13 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.nn import Module
+from mpidist.bench.steadiness import Steadiness
+from mpidist.comm import Communicator
+from mpidist.nn import Linear, Module, ReLU, Sequential
+from mpidist.pipeline.executor import PipelineExecutor
+from mpidist.pipeline.schedules import PIPELINE_SCHEDULES, build_schedule, ideal_bubble
+from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
+from mpidist.pipeline.timing import gather_events, plot_timeline, replay, summarize
 
 __all__ = ["main"]
 
@@ -41,7 +47,6 @@ def _ints(text: str) -> list[int]:
 
 
 def _parse(argv):
-    from mpidist.pipeline.schedules import PIPELINE_SCHEDULES
     p = argparse.ArgumentParser(prog="mpidist bench pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default="gpipe,1f1b",
                    help=f"schedules to run, of {','.join(PIPELINE_SCHEDULES)} (default gpipe,1f1b)")
@@ -79,7 +84,6 @@ def _parse(argv):
 def _uniform_model(stages: int, layers: int, args):
     """stages x layers blocks, every stage the same work: Linear(dim, dim) + ReLU, or
     with --compute timed two waits that make up the stage's --forward-ms."""
-    from mpidist.nn import Linear, ReLU, Sequential
     blocks, names = [], []
     for i in range(stages * layers):
         if args.compute == "timed":
@@ -149,10 +153,6 @@ class _HalfSquare:
 
 def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
     """One configuration on the pipeline communicator `comm` (p ranks)."""
-    from mpidist.pipeline.executor import PipelineExecutor
-    from mpidist.pipeline.schedules import build_schedule, ideal_bubble
-    from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
-    from mpidist.pipeline.timing import gather_events, replay, summarize
 
     v = args.virtual if name == "interleaved" else 1
     model = _uniform_model(p * v, args.layers // v, args)    # same work per rank
@@ -197,9 +197,6 @@ def _run(comm, name: str, p: int, m: int, args) -> tuple[dict, list | None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark from the command line; returns the exit code."""
-    from mpidist.bench.steadiness import Steadiness
-    from mpidist.comm import Communicator
-    from mpidist.pipeline.timing import plot_timeline
 
     args = _parse(argv)
     if args.compute == "timed":

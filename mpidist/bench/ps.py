@@ -16,6 +16,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.collectives import allreduce
+from mpidist.comm import Communicator, default_communicator, mpi_library
+from mpidist.ps import ParameterServer, Straggler
+
 __all__ = ["main"]
 
 
@@ -105,7 +109,6 @@ def _raw_loop(comm: MPI.Comm, n: int, iters: int) -> float | None:
 
 def _ps_loop(comm, n: int, iters: int, servers: int, consistency: str) -> float | None:
     """Median seconds per pull+push of n floats through the parameter server (workers)."""
-    from mpidist.ps import ParameterServer
     times = []
     with ParameterServer(np.zeros(n, np.float32), comm=comm, servers=servers,
                          consistency=consistency, average=False, timeout=120) as ps:
@@ -124,7 +127,6 @@ def _ps_loop(comm, n: int, iters: int, servers: int, consistency: str) -> float 
 
 def _straggler_run(comm, n: int, args, consistency: str, straggler) -> float | None:
     """Seconds until --steps steps' worth of updates are applied (workers; None on servers)."""
-    from mpidist.ps import ParameterServer
     staleness = args.staleness if consistency == "ssp" else None
     with ParameterServer(np.zeros(n, np.float32), comm=comm, consistency=consistency,
                          staleness=staleness, straggler=straggler, average=False,
@@ -146,7 +148,6 @@ def _straggler_run(comm, n: int, args, consistency: str, straggler) -> float | N
 
 
 def _ring_loop(comm, n: int, iters: int) -> float:
-    from mpidist.collectives import allreduce
     x = np.ones(n, np.float32)
     times = []
     for _ in range(iters + 1):
@@ -163,7 +164,6 @@ def _slowest(comm: MPI.Comm, value: float | None) -> float:
 
 def _sub(world, members: int):
     """A Communicator over world ranks [0, members) (None elsewhere); collective on world."""
-    from mpidist.comm import Communicator
     mpi = world.comm.Split(0 if world.rank < members else MPI.UNDEFINED, world.rank)
     if mpi == MPI.COMM_NULL:
         return None
@@ -191,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
          --delay s straggler, persistent (the last worker) or rotating (a random worker per step).
     Writes ps.csv, ps.json and ps.png under --out (rank 0). Step time = slowest worker's median.
     """
-    from mpidist.comm import default_communicator, mpi_library
     args = _parse(argv)
     world = default_communicator()
     P = world.size
@@ -249,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         row["pred_ring"] = 2 * (p - 1) * a_p2p + 2 * (p - 1) * nbytes * b_p2p / p
         rows.append(row)
     # 3. stragglers: persistent vs rotating, under each consistency model
-    from mpidist.ps import Straggler
     strag = []
     for model in ("bsp", "asp", "ssp"):
         row = {"model": model if model != "ssp" else f"ssp({args.staleness})"}
@@ -291,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows, path: str, title: str, S: int) -> None:
-    import matplotlib
+    import matplotlib                  # slow to import, and only rank 0 plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

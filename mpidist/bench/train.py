@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from mpidist.launcher import run
+from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
+from mpidist.optim import build_optimizer
 
 __all__ = ["main"]
 
@@ -46,7 +51,7 @@ def _interleaved(comm, fns: dict, steps: int, warmup: int) -> tuple[dict, dict]:
     The measurements take turns (one call of each per round), so a change of machine load
     during the run hits all of them alike; every call starts after a barrier.
     """
-    from mpi4py import MPI
+    from mpi4py import MPI          # in the workers only: see _worker
     times = {k: [] for k in fns}
     for i in range(warmup + steps):
         for k, fn in fns.items():
@@ -64,11 +69,11 @@ def _interleaved(comm, fns: dict, steps: int, warmup: int) -> tuple[dict, dict]:
 
 
 def _worker(args) -> dict:
+    # MPI is initialised here, in the workers, never at import: the driver process that
+    # starts them (and torch's spawned DDP workers, which import this module) must not
     from mpidist.collectives import Handle, allreduce_async
     from mpidist.comm import Communicator
     from mpidist.engine.distributed import DistributedOptimizer, make_buckets
-    from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
-    from mpidist.optim import build_optimizer
 
     comm = Communicator()
     rng = np.random.default_rng(comm.rank)
@@ -134,7 +139,7 @@ def _worker(args) -> dict:
 
 # ----------------------------------------------------------------------------- PyTorch DDP peer
 def _torch_ddp_worker(rank, size, port, args, queue):
-    import torch
+    import torch                        # optional: only for the DDP comparison
     import torch.distributed as dist
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -161,9 +166,7 @@ def _torch_ddp_worker(rank, size, port, args, queue):
 
 
 def _torch_ddp(size, args):
-    import socket
-
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp      # optional: only for the DDP comparison
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -192,7 +195,6 @@ def _torch_rates(sizes, args, attempts: int = 2) -> tuple[dict, list[str]]:
 
 # ----------------------------------------------------------------------------- driver
 def _run_sizes(args) -> list[dict]:
-    from mpidist.launcher import run
     rows = []
     for n in [int(r) for r in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
@@ -229,7 +231,7 @@ def _report(rows, args, torch_note, torch_rates) -> str:
 
 
 def _plot(rows, torch_rates, path):
-    import matplotlib
+    import matplotlib                  # slow to import, and only the driver plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
@@ -274,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     launched = any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
     if args.worker or launched:
         result = _worker(args)
-        from mpi4py import MPI
+        from mpi4py import MPI          # a worker: MPI is up already (see _worker)
         if MPI.COMM_WORLD.Get_rank() == 0:
             if args.json:
                 with open(args.json, "w") as fh:

@@ -16,6 +16,14 @@ import time
 
 import ml_dtypes
 import numpy as np
+from mpi4py import MPI
+
+from mpidist.comm import Communicator, mpi_library
+from mpidist.engine.distributed import DistributedOptimizer
+from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
+from mpidist.optim import build_optimizer
+from mpidist.zero import build_zero
+from mpidist.zero.memory import InFlight, MemoryReport, nbytes, paper_bytes_per_param
 
 __all__ = ["main"]
 
@@ -48,13 +56,11 @@ def _parse(argv):
 
 
 def _model(args):
-    from mpidist.nn import MLP
     width = max(2, int(round(math.sqrt(args.params / args.layers))))
     return MLP(width, width, hidden=(width,) * (args.layers - 1)), width
 
 
 def _make_optimizer(layout, offset, count, dtype):
-    from mpidist.optim import build_optimizer
     return build_optimizer("adamw", layout, lr=1e-4, weight_decay=0.01, offset=offset,
                            count=count, param_dtype=dtype)
 
@@ -63,9 +69,6 @@ class _DataParallel:
     """The baseline: whole bf16 model everywhere, DistributedOptimizer with fp32 masters."""
 
     def __init__(self, args, comm):
-        from mpidist.engine.distributed import DistributedOptimizer
-        from mpidist.nn import SoftmaxCrossEntropy, materialize
-        from mpidist.zero.memory import InFlight
         self.model, _ = _model(args)
         self.layout, self.params, self.grads = materialize(self.model, dtype=BF16, seed=0)
         opt = _make_optimizer(self.layout, 0, self.layout.numel, BF16)
@@ -80,7 +83,6 @@ class _DataParallel:
         self.dopt.step()
 
     def memory_report(self):
-        from mpidist.zero.memory import MemoryReport, nbytes
         opt = self.dopt.optimizer
         n = self.layout.numel
         return MemoryReport(0, self.comm.rank, self.comm.size, n, n, nbytes(self.params.data),
@@ -91,7 +93,6 @@ class _DataParallel:
 def _build(variant, args, comm):
     if variant == "dp":
         return _DataParallel(args, comm)
-    from mpidist.zero import build_zero
     model, _ = _model(args)
     return build_zero(int(variant[-1]), model, _make_optimizer, comm=comm, dtype=BF16, seed=0,
                       bucket_mb=args.bucket_mb)
@@ -99,7 +100,6 @@ def _build(variant, args, comm):
 
 def _run(variant, args, comm, x, y):
     """(median step seconds of the slowest rank, this rank's memory report after the steps)."""
-    from mpi4py import MPI
     eng = _build(variant, args, comm)
     times = []
     for i in range(args.warmup + args.steps):
@@ -137,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
          each would fit; zero-3 trains under it (its peak is measured while it trains).
     Writes zero.csv, zero.json and zero.png under --out (rank 0).
     """
-    from mpidist.comm import Communicator, mpi_library
-    from mpidist.zero.memory import paper_bytes_per_param
 
     args = _parse(argv)
     comm = Communicator()
@@ -216,7 +214,7 @@ def _write(out, rows, args, n) -> None:
         w.writerows(rows)
     with open(os.path.join(out, "zero.json"), "w") as fh:
         json.dump({"args": vars(args), "ranks": n, "rows": rows}, fh, indent=1)
-    import matplotlib
+    import matplotlib                  # slow to import, and only rank 0 plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

@@ -18,10 +18,11 @@ from __future__ import annotations
 import functools
 import inspect
 
+import ml_dtypes
 import numpy as np
 
 from mpidist.collectives.handle import Handle
-from mpidist.kernels.backend import is_cupy
+from mpidist.kernels.backend import cupy, is_cupy
 
 __all__ = ["accept_arrays", "as_array", "like"]
 
@@ -45,7 +46,6 @@ def as_array(x):
             raise TypeError(f"a torch {type(x).__name__} is not an array")
         x = x.detach()
         if x.is_cuda:
-            from mpidist.kernels.backend import cupy
             with torch.cuda.device(x.device):
                 torch.cuda.current_stream().synchronize()   # torch's queued work first
             return cupy().from_dlpack(x)
@@ -53,16 +53,13 @@ def as_array(x):
             raise TypeError(f"torch tensors on {x.device} are not supported; use CPU or "
                             f"CUDA tensors")
         if x.dtype == torch.bfloat16:
-            import ml_dtypes
             return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return x.numpy()
     if hasattr(x, "__cuda_array_interface__"):
-        from mpidist.kernels.backend import cupy
         return cupy().asarray(x)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         if x.__dlpack_device__()[0] == 1:          # kDLCPU
             return np.from_dlpack(x)
-        from mpidist.kernels.backend import cupy
         return cupy().from_dlpack(x)
     try:
         view = memoryview(x)

@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.kernels.backend import kernels_for
+from mpidist.kernels.dispatch import kernels_for
 
 __all__ = ["Op", "OPS", "get_op", "SUPPORTED_DTYPES", "check_dtype", "accumulator_dtype",
            "dtype_name", "reduce_into", "widen", "narrow"]
@@ -118,5 +118,5 @@ def reduce_into(op: Op, a, b, out) -> None:
     so MPI may send `out` right away."""
     op.ufunc(a, b, out=out)
     if type(out) is not np.ndarray and type(out).__module__.split(".")[0] == "cupy":
-        import cupy
+        import cupy                   # optional: out is a CuPy array
         cupy.cuda.get_current_stream().synchronize()

@@ -19,7 +19,8 @@ import math
 
 import numpy as np
 
-from mpidist.kernels.backend import get_array_module, kernels_for, to_numpy
+from mpidist.kernels.backend import get_array_module, to_numpy
+from mpidist.kernels.dispatch import kernels_for
 
 __all__ = ["Compressor", "step_seed", "check_ratio", "kept_count", "check_multiple_of_8", "kernels_for"]
 

@@ -79,7 +79,7 @@ def _write_classification(fh, x, y, train, test, classes, in_shape, source):
 def import_digits(path: str, *, test_fraction: float = 0.2, seed: int = 0, comm=None) -> str:
     """scikit-learn's 1797 8x8 handwritten digits (bundled, no download), pixels scaled to [0, 1]."""
     def write(fh):
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits       # optional: only this importer needs it
         d = load_digits()
         x = (d.data / 16.0).astype(np.float32)
         train, test = split_indices(len(x), test_fraction, seed)

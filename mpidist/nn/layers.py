@@ -192,7 +192,7 @@ class Embedding(Module):
         if xp is np:
             np.add.at(self.g["weight"], self._ids.reshape(-1), dy.reshape(-1, self.dim))
         else:                                  # CuPy's scatter-add (atomic adds on the device)
-            import cupyx
+            import cupyx                       # optional: dy is a CuPy array
             cupyx.scatter_add(self.g["weight"], self._ids.reshape(-1), dy.reshape(-1, self.dim))
         self._ids = None
         self._grads_ready()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpidist.flat import FlatBuffer, Layout
 from mpidist.kernels.backend import get_array_module
 
 __all__ = ["Module", "Sequential", "materialize"]
@@ -162,8 +163,6 @@ def materialize(model: Module, *, dtype=np.float32, xp=np, seed: int = 0):
 
     Returns (layout, params, grads). Gradients start at zero.
     """
-    from mpidist.flat import FlatBuffer, Layout
-
     layout = Layout(model.param_shapes())
     params = FlatBuffer(layout, dtype=dtype, xp=xp)
     grads = FlatBuffer(layout, dtype=dtype, xp=xp)

@@ -267,12 +267,13 @@ class Optimizer(abc.ABC):
         if backend == "cupy" and xp is np:
             raise TypeError("backend='cupy' needs CuPy arrays; got NumPy arrays")
         if backend not in self._kernels:
+            # each kernel set loads Numba or CuPy, so only the one in use is imported
             if backend == "cpu":
-                from mpidist.kernels.optim_cpu import CPUKernels as K
+                from mpidist.kernels.optim_cpu import CPUKernels as K            # Numba
             elif backend == "cupy":
-                from mpidist.kernels.optim_cupy import CuPyKernels as K
+                from mpidist.kernels.optim_cupy import CuPyKernels as K          # CuPy
             else:
-                from mpidist.kernels.optim_numba_cuda import NumbaCudaKernels as K
+                from mpidist.kernels.optim_numba_cuda import NumbaCudaKernels as K  # Numba CUDA
             self._kernels[backend] = K(self.plan)
         return self._kernels[backend]
 

@@ -101,7 +101,7 @@ def plot_timeline(events_by_rank: list[list], path: str, title: str = "", virtua
                   pp: int | None = None) -> str:
     """Draw the step as it ran: one row per rank, forwards light and backwards dark, each
     box labelled with its micro-batch (and chunk). Writes a PNG; returns the path."""
-    import matplotlib
+    import matplotlib                  # slow to import, and only rank 0 draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
