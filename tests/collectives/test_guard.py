@@ -88,7 +88,11 @@ def test_carried_allreduce_equals_mpi_allreduce(comm, op, dtype, n):
     before = x.copy()
     y = allreduce(x, op=op, algorithm="native", comm=comm, out=np.empty_like(x))
     assert np.array_equal(x, before)
-    np.testing.assert_allclose(y, ref, rtol=1e-6 if dtype == np.float32 else 1e-12)
+    if ref.dtype.kind == "f":           # summation order differs from MPI's: rounding
+        eps = np.finfo(dtype).eps
+        np.testing.assert_allclose(y, ref, rtol=8 * eps, atol=8 * eps * 3 * comm.size)
+    else:
+        assert np.array_equal(y, ref)
     assert np.array_equal(allreduce(x, op=op, algorithm="native", comm=comm), y)
     every = comm.comm.allgather(y.tobytes())
     assert every.count(every[0]) == comm.size
