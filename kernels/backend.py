@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["get_array_module", "is_cupy", "cupy_available", "gpu_available",
+__all__ = ["get_array_module", "is_cupy", "byte_view", "cupy_available", "gpu_available",
            "to_numpy", "synchronize", "cupy", "handoff", "take_over"]
 
 
@@ -23,6 +23,12 @@ def get_array_module(*arrays):
         if is_cupy(x):
             return sys.modules["cupy"]
     return np
+
+
+def byte_view(a):
+    """A flat uint8 view of a contiguous NumPy or CuPy array, so MPI moves any dtype
+    (bfloat16 too) as MPI.BYTE."""
+    return a.reshape(-1).view(np.uint8) if a.size else get_array_module(a).empty(0, np.uint8)
 
 
 @functools.lru_cache(maxsize=None)

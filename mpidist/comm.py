@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from mpidist.checks import positive_int
 from mpidist.errors import MismatchError, agree_or_raise, format_ranks
 from mpidist.kernels.backend import cupy, is_cupy, synchronize
 
@@ -53,16 +54,6 @@ class Grid:
         return stage * self.dp + replica
 
 
-def _positive_int(value, what: str) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a positive integer, got {value!r}") from None
-    if n < 1 or str(n) != str(value).strip():
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return n
-
-
 class Communicator:
     """A private communicator with its topology.
 
@@ -93,7 +84,7 @@ class Communicator:
         if ranks_per_node is None and _node is None and os.environ.get(ENV_RANKS_PER_NODE):
             ranks_per_node = os.environ[ENV_RANKS_PER_NODE]
         if ranks_per_node is not None:
-            ranks_per_node = _positive_int(ranks_per_node, "ranks_per_node")
+            ranks_per_node = positive_int("ranks_per_node", ranks_per_node)
         self.simulated_nodes = ranks_per_node is not None
 
         # 1. which node am I on: simulated, inherited from a parent, or the shared-memory split
@@ -168,7 +159,7 @@ class Communicator:
 
     def grid(self, pp: int) -> Grid:
         """Collective: the pp x dp grid (rank = stage * dp + replica), cached per pp."""
-        pp = _positive_int(pp, "pipeline stages (pp)")
+        pp = positive_int("pipeline stages (pp)", pp)
         if self.size % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the world size {self.size}; "
                              f"use a divisor of {self.size}")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 
+from mpidist.checks import positive_int
 from mpidist.kernels.backend import get_array_module
-from mpidist.nn.layers import Linear, _positive_int
+from mpidist.nn.layers import Linear
 from mpidist.nn.module import Module
 
 __all__ = ["CausalSelfAttention"]
@@ -18,8 +19,8 @@ class CausalSelfAttention(Module):
 
     def __init__(self, dim: int, heads: int, init_std: float = 0.02):
         super().__init__()
-        self.dim = _positive_int("dim", dim)
-        self.heads = _positive_int("heads", heads)
+        self.dim = positive_int("dim", dim)
+        self.heads = positive_int("heads", heads)
         if self.dim % self.heads:
             raise ValueError(f"attention dim {dim} must be divisible by heads {heads}")
         self.qkv = self.add_child("qkv", Linear(self.dim, 3 * self.dim, init_std=init_std))

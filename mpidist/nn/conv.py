@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
+from mpidist.checks import positive_int
 from mpidist.kernels.backend import get_array_module
-from mpidist.nn.layers import _positive_int
 from mpidist.nn.module import Module
 
 __all__ = ["Conv2d", "MaxPool2d", "AvgPool2d"]
@@ -51,10 +51,10 @@ class Conv2d(Module):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0):
         super().__init__()
-        self.cin = _positive_int("in_channels", in_channels)
-        self.cout = _positive_int("out_channels", out_channels)
-        self.k = _positive_int("kernel_size", kernel_size)
-        self.stride = _positive_int("stride", stride)
+        self.cin = positive_int("in_channels", in_channels)
+        self.cout = positive_int("out_channels", out_channels)
+        self.k = positive_int("kernel_size", kernel_size)
+        self.stride = positive_int("stride", stride)
         if padding < 0:
             raise ValueError(f"padding must be >= 0, got {padding}")
         self.pad = int(padding)
@@ -100,8 +100,8 @@ class MaxPool2d(Module):
 
     def __init__(self, kernel_size: int, stride: int | None = None):
         super().__init__()
-        self.k = _positive_int("kernel_size", kernel_size)
-        self.stride = _positive_int("stride", stride if stride is not None else kernel_size)
+        self.k = positive_int("kernel_size", kernel_size)
+        self.stride = positive_int("stride", stride if stride is not None else kernel_size)
 
     def forward(self, x, train=True):
         xp = get_array_module(x)
@@ -125,8 +125,8 @@ class AvgPool2d(Module):
 
     def __init__(self, kernel_size: int, stride: int | None = None):
         super().__init__()
-        self.k = _positive_int("kernel_size", kernel_size)
-        self.stride = _positive_int("stride", stride if stride is not None else kernel_size)
+        self.k = positive_int("kernel_size", kernel_size)
+        self.stride = positive_int("stride", stride if stride is not None else kernel_size)
 
     def forward(self, x, train=True):
         self._shape = x.shape

@@ -8,16 +8,11 @@ import math
 
 import numpy as np
 
+from mpidist.checks import positive_int
 from mpidist.kernels.backend import get_array_module
 from mpidist.nn.module import Module
 
 __all__ = ["Linear", "ReLU", "GELU", "LayerNorm", "Dropout", "Flatten", "Embedding"]
-
-
-def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return int(v)
 
 
 class Linear(Module):
@@ -25,8 +20,8 @@ class Linear(Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, init_std: float | None = None):
         super().__init__()
-        self.in_features = _positive_int("in_features", in_features)
-        self.out_features = _positive_int("out_features", out_features)
+        self.in_features = positive_int("in_features", in_features)
+        self.out_features = positive_int("out_features", out_features)
         self.has_bias = bool(bias)
         self.init_std = init_std
         self.add_param("weight", (self.in_features, self.out_features))
@@ -97,7 +92,7 @@ class LayerNorm(Module):
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
-        self.dim = _positive_int("dim", dim)
+        self.dim = positive_int("dim", dim)
         self.eps = float(eps)
         self.add_param("weight", (self.dim,))
         self.add_param("bias", (self.dim,))
@@ -170,8 +165,8 @@ class Embedding(Module):
 
     def __init__(self, num: int, dim: int, init_std: float = 0.02):
         super().__init__()
-        self.num = _positive_int("num", num)
-        self.dim = _positive_int("dim", dim)
+        self.num = positive_int("num", num)
+        self.dim = positive_int("dim", dim)
         self.init_std = float(init_std)
         self.add_param("weight", (self.num, self.dim))
 

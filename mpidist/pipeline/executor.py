@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.comm import Communicator
-from mpidist.kernels.backend import get_array_module
+from mpidist.kernels.backend import byte_view, get_array_module
 from mpidist.nn.loss import SoftmaxCrossEntropy
 from mpidist.pipeline.actions import (BACKWARD, FORWARD, RECV_B, RECV_F, SEND_B, SEND_F,
                                       Action, Schedule)
@@ -27,11 +27,6 @@ from mpidist.pipeline.stage import Stage, stash_nbytes
 from mpidist.pipeline.transport import BufferPool, ProgressThread, single_copy
 
 __all__ = ["PipelineExecutor", "StepStats", "single_copy"]
-
-
-def _bytes(a):
-    """A flat byte view of a contiguous array: any dtype (bf16 too) travels as MPI.BYTE."""
-    return [a.reshape(-1).view(np.uint8), MPI.BYTE]
 
 
 @dataclass
@@ -208,7 +203,8 @@ class PipelineExecutor:
         buf = self._take(meta)
         mbuf = self.comm.to_mpi(buf)
         src, tag = self._source(key)
-        self._recvs[key] = (self.comm.comm.Irecv(_bytes(mbuf), source=src, tag=tag), buf, mbuf)
+        request = self.comm.comm.Irecv([byte_view(mbuf), MPI.BYTE], source=src, tag=tag)
+        self._recvs[key] = (request, buf, mbuf)
 
     def _source(self, compute: Action) -> tuple[int, int]:
         s = compute.stage
@@ -228,7 +224,7 @@ class PipelineExecutor:
             meta = (self._meta_in if compute.kind == FORWARD else self._meta_out)[compute.stage]
             buf = self._take(meta)
             mbuf = self.comm.to_mpi(buf)
-            self.comm.comm.Recv(_bytes(mbuf), source=src, tag=tag)
+            self.comm.comm.Recv([byte_view(mbuf), MPI.BYTE], source=src, tag=tag)
         else:
             request.Wait()
         self.comm.from_mpi(mbuf, buf)
@@ -251,7 +247,7 @@ class PipelineExecutor:
             data = self._xp.ascontiguousarray(self._out.pop((BACKWARD, a.microbatch, s)),
                                               dtype=dtype)
         mbuf = self.comm.to_mpi(data)
-        self._sends.append((self.comm.comm.Isend(_bytes(mbuf), dest=dst, tag=tag), data))
+        self._sends.append((self.comm.comm.Isend([byte_view(mbuf), MPI.BYTE], dest=dst, tag=tag), data))
         self._progress()
 
     def _progress(self) -> None:

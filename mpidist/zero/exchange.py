@@ -11,12 +11,11 @@ the exchange overlaps the caller's compute; wait() completes it.
 """
 from __future__ import annotations
 
-import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives.handle import Handle
 from mpidist.collectives.ops import accumulator_dtype, narrow, widen
-from mpidist.kernels.backend import get_array_module
+from mpidist.kernels.backend import byte_view, get_array_module
 from mpidist import partition
 
 __all__ = ["ShardMap", "reduce_scatter_start", "allgather_start"]
@@ -38,11 +37,6 @@ class ShardMap:
         """(global start, length) of [lo, hi) ∩ my shard (length 0 when disjoint)."""
         a, b = max(lo, self.offset), min(hi, self.offset + self.count)
         return a, max(0, b - a)
-
-
-def _bytes(a):
-    """A flat uint8 view of a contiguous array (MPI sees any dtype as bytes)."""
-    return a.reshape(-1).view(np.uint8) if a.size else np.empty(0, np.uint8)
 
 
 def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> Handle:
@@ -67,8 +61,8 @@ def reduce_scatter_start(comm, shards: ShardMap, buf, lo: int, *, out=None) -> H
     slot = {r: i for i, r in enumerate(others)}
     rcounts = [0 if r == me else mine * item for r in range(comm.size)]
     rdispls = [0 if r == me else slot[r] * mine * item for r in range(comm.size)]
-    request = comm.comm.Ialltoallv([_bytes(send_mpi), (scounts, sdispls), MPI.BYTE],
-                                   [_bytes(recv_mpi), (rcounts, rdispls), MPI.BYTE])
+    request = comm.comm.Ialltoallv([byte_view(send_mpi), (scounts, sdispls), MPI.BYTE],
+                                   [byte_view(recv_mpi), (rcounts, rdispls), MPI.BYTE])
 
     def finish():
         comm.from_mpi(recv_mpi, recv)
@@ -114,8 +108,8 @@ def allgather_start(comm, shards: ShardMap, shard, lo: int, hi: int, *, out=None
     recv_mpi = comm.to_mpi(out)
     counts = [c * item for _, c in pieces]
     displs = [s * item for s, _ in pieces]
-    request = comm.comm.Iallgatherv([_bytes(send_mpi), mine * item, MPI.BYTE],
-                                    [_bytes(recv_mpi), (counts, displs), MPI.BYTE])
+    request = comm.comm.Iallgatherv([byte_view(send_mpi), mine * item, MPI.BYTE],
+                                    [byte_view(recv_mpi), (counts, displs), MPI.BYTE])
 
     def finish():
         comm.from_mpi(recv_mpi, out)
