@@ -43,7 +43,7 @@ class ConfigError(ValueError):
     """A job configuration is invalid; raised before any work starts."""
 
 
-def agree_or_raise(comm, exc: BaseException | None, remote: type = RemoteError) -> None:
+def agree_or_raise(comm, exc, remote: type = RemoteError, *, share=None) -> list:
     """Collective: if any rank of comm passes an exception, raise on every rank.
 
     comm: an mpidist Communicator (or an mpi4py communicator); exc: this rank's failure or
@@ -51,12 +51,16 @@ def agree_or_raise(comm, exc: BaseException | None, remote: type = RemoteError) 
     (RemoteError, or a class the caller's handlers catch, so every rank takes the same
     branch) with format_failures' message. The raised exception's `failures` attribute
     lists (rank, type name, message) of every failing rank.
+    share: a small picklable value of this rank that travels in the same exchange (metadata
+    a caller compares across ranks next). Returns every rank's share, by rank, where no rank
+    failed.
     """
     mpi_comm = getattr(comm, "comm", comm)
     mine = None if exc is None else (type(exc).__name__, str(exc))
-    failures = [(r, *f) for r, f in enumerate(mpi_comm.allgather(mine)) if f is not None]
+    views = mpi_comm.allgather((mine, share))
+    failures = [(r, *f) for r, (f, _) in enumerate(views) if f is not None]
     if not failures:
-        return
+        return [s for _, s in views]
     if exc is not None:
         try:
             exc.failures = failures

@@ -24,7 +24,7 @@ from mpidist.compress.codecs import CompressorCodec, RawCodec
 from mpidist.compress.reduce_scatter import reduce_scatter
 from mpidist.compress.ring import Ring
 from mpidist.compress.wire import pack, unpack
-from mpidist.errors import MismatchError, RemoteError
+from mpidist.errors import MismatchError, agree_or_raise
 from mpidist.kernels.backend import get_array_module, to_numpy
 from mpidist.partition import chunk
 
@@ -116,22 +116,15 @@ class CompressedAllreduce:
             bad = not bool(kernels_for(work).all_finite(work.view(np.uint32)))
         except (TypeError, ValueError) as exc:
             err = exc
-        views = self.comm.comm.allgather((None if err is None else f"{type(err).__name__}: "
-                                          f"{err}", sig, bad))
-        failed = [(r, m) for r, (m, _, _) in enumerate(views) if m is not None]
-        if failed:
-            if err is not None:
-                raise err
-            raise RemoteError("compressed allreduce: bad input on rank(s) " +
-                              "; ".join(f"{r}: {m}" for r, m in failed))
-        sigs = [s for _, s, _ in views]
+        views = agree_or_raise(self.comm, err, share=(sig, bad))
+        sigs = [s for s, _ in views]
         if any(s != sigs[0] for s in sigs):
             differ = [r for r, s in enumerate(sigs) if s != sigs[self.comm.rank]]
             raise MismatchError(f"compressed allreduce: ranks {differ} differ from rank "
                                 f"{self.comm.rank} in (compressor options, algorithm, "
                                 f"warm-up, length, dtype, call number, layout, range): "
                                 f"{sigs[self.comm.rank]} vs {sigs[differ[0]]}")
-        nonfinite = [r for r, (_, _, b) in enumerate(views) if b]
+        nonfinite = [r for r, (_, b) in enumerate(views) if b]
         if nonfinite and self.nonfinite == "raise":
             raise FloatingPointError(f"gradient holds inf/NaN on rank(s) {nonfinite}; nothing "
                                      f"was sent and residuals are unchanged (use "
@@ -246,7 +239,7 @@ class CompressedAllreduce:
         With error feedback every encoding's loss (data - decode(message)) is kept by the
         rank that encoded, at those positions: summed over ranks, residuals plus the result
         equal the sum of the inputs, as with a gather."""
-        host = np.array(to_numpy(c._begin(x, None)), dtype=np.float32)   # + residual
+        host = np.array(to_numpy(c.with_residual(x, None)), dtype=np.float32)
         err = np.zeros_like(host) if c.error_feedback else None
         ring.allreduce(host, CompressorCodec(c, err))
         xp = get_array_module(x)

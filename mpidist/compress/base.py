@@ -87,7 +87,7 @@ class Compressor:
     # ---------------------------------------------------------------- the interface
     def compress(self, x, layout=None):
         """(payload, ctx) of x (plus the residual, with error feedback)."""
-        x = self._begin(x, layout)
+        x = self.with_residual(x, layout)
         payload, ctx = self.encode(x, layout)
         self._end(x, payload, ctx)
         return payload, ctx
@@ -130,9 +130,10 @@ class Compressor:
         return int(sum(a.nbytes for a in payload))
 
     # ---------------------------------------------------------------- error feedback
-    def _begin(self, x, layout):
-        """Validate x; return what to encode: x plus the residual with error feedback
-        (a new array: x itself is never modified)."""
+    def with_residual(self, x, layout):
+        """What to encode: x, validated, plus the residual with error feedback (a new
+        array: x itself is never modified). For callers that encode x themselves, such as
+        the compressed ring."""
         return self._accumulate(self._check(x, layout))
 
     def _check(self, x, layout):
@@ -185,7 +186,7 @@ class Compressor:
             ends.append(start + count if start == ends[-1] and count >= 0 else -1)
         if ends[-1] != x.shape[0]:
             raise ValueError(f"{self.name}: pieces {pieces} do not tile {x.shape[0]} elements")
-        x = self._begin(x, None)
+        x = self.with_residual(x, None)
         parts = [(start,) + self.encode(x[start:start + count], None) for start, count in pieces]
         self._end_pieces(x, parts)
         return [(payload, ctx) for _, payload, ctx in parts]

@@ -152,7 +152,7 @@ class PowerSGD(Compressor):
 
     def reduce(self, x, layout, allreduce_sum):
         """Sum over ranks of C_i(x_i) = P^ Q^T (plus the dense segments summed)."""
-        x = self._begin(x, layout)
+        x = self.with_residual(x, layout)
         local, summed, ctx = self._power(x, layout, allreduce_sum)
         self._end(x, local, ctx)
         return self.decompress(summed, ctx)

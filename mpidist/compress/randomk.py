@@ -49,7 +49,7 @@ class RandomK(Sparsifier):
 
     def reduce(self, x, layout, allreduce_sum):
         """Sum over ranks of C_i(x_i): compress locally, sum the values, scatter once."""
-        x = self._begin(x, layout)
+        x = self.with_residual(x, layout)
         payload, ctx = self.encode(x, layout)
         self._end(x, payload, ctx)
         return self.decompress((allreduce_sum(payload[0]),), ctx)

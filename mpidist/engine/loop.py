@@ -29,7 +29,7 @@ from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError, agree_or_raise, format_failures
 from mpidist.ft.recovery import Resilience
 
-__all__ = ["run", "evaluate", "total_steps", "JobFailed"]
+__all__ = ["run", "evaluate", "total_steps", "agreed_call", "JobFailed"]
 
 log = logging.getLogger("mpidist")
 
@@ -56,8 +56,8 @@ class JobFailed(RuntimeError):
     """A set-up step failed on some rank; raised on every rank with every rank's message."""
 
 
-def _agreed(comm, fn, *args):
-    """Run fn on every rank; if it fails anywhere, raise on every rank (agree_or_raise).
+def agreed_call(comm, fn, *args):
+    """fn(*args), called on every rank; if it fails anywhere, raise on every rank.
 
     A ConfigError anywhere becomes a ConfigError everywhere; other failures JobFailed, which
     names the failing ranks and their messages.
@@ -108,7 +108,7 @@ def run(config: dict, comm) -> dict:
     if config["parallel"]["algorithm_table"]:                    # auto's decision table
         select.use_table(config["parallel"]["algorithm_table"])
     comm.check_same(_data_file_size(config), "the dataset file's size in bytes", _SAME_DATA)
-    train, test, meta = _agreed(comm, build_datasets, config, comm)
+    train, test, meta = agreed_call(comm, build_datasets, config, comm)
     try:
         if config["job"]["fault_tolerance"] == "shrink":      # survive a lost rank (mpidist.ft)
             return Resilience(config, comm).run(_train, config, train, test, meta, t_start)
@@ -122,13 +122,13 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
     job = config["job"]
     out_dir = job["out_dir"]
     comm.check_same((train.n, test.n), "the dataset's size (train, test samples)", _SAME_DATA)
-    per_epoch, total = _agreed(comm, total_steps, config, train.n)
+    per_epoch, total = agreed_call(comm, total_steps, config, train.n)
     flight.set_directory(out_dir)
     if job["timeout"] is not None and "MPIDIST_TIMEOUT" not in os.environ:
         flight.set_timeout(job["timeout"])
     config = {**config, "job": {**job, "total_steps": total, "steps_per_epoch": per_epoch}}
-    strategy = _agreed(comm, build_strategy, config, comm, meta)
-    hook = _agreed(comm, _checkpoint_hook, config, comm)
+    strategy = agreed_call(comm, build_strategy, config, comm, meta)
+    hook = agreed_call(comm, _checkpoint_hook, config, comm)
     if hook is not None:
         hook.attach(strategy)
         if config["checkpoint"]["resume"]:

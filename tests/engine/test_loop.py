@@ -44,7 +44,7 @@ def test_loop_on_p_ranks_matches_one_rank(comm, shared_dir):
 
 
 def test_a_setup_failure_on_one_rank_raises_on_every_rank(comm):
-    from mpidist.engine.loop import JobFailed, _agreed
+    from mpidist.engine.loop import JobFailed, agreed_call
     from mpidist.errors import ConfigError
 
     def fails_on_last(kind):
@@ -52,11 +52,11 @@ def test_a_setup_failure_on_one_rank_raises_on_every_rank(comm):
             raise kind("broken on the last rank")
         return comm.rank
 
-    assert _agreed(comm, lambda: comm.rank) == comm.rank
+    assert agreed_call(comm, lambda: comm.rank) == comm.rank
     with pytest.raises(JobFailed, match=f"rank\\(s\\) {comm.size - 1}: OSError: broken"):
-        _agreed(comm, fails_on_last, OSError)
+        agreed_call(comm, fails_on_last, OSError)
     with pytest.raises(ConfigError, match="broken on the last rank"):
-        _agreed(comm, fails_on_last, ConfigError)
+        agreed_call(comm, fails_on_last, ConfigError)
 
 
 def test_unknown_strategy_is_a_config_error_and_the_schema_lists_every_strategy(comm):
