@@ -48,6 +48,27 @@ def test_all_reduce_avg_is_sum_over_size(dtype):
     assert torch.equal(t, (ref / dist.get_world_size()).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_all_reduce_sizes_in_turn(dtype):
+    """One node's window path: sizes that grow it, alternate its two regions, span several
+    blocks and split unevenly; in place, AVG, and reduce (into scratch off the root)."""
+    for n in (5, 300_001, 37, 1, 700_003, 8):
+        ours, ref = _both(lambda group: _reduced(_data(n, dtype), group))
+        assert torch.equal(ours, ref), n
+    t = _data(300_001, dtype)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    assert torch.equal(t, _reduced(_data(300_001, dtype), _gloo) / dist.get_world_size())
+    root = dist.get_world_size() - 1
+    t, ref = _data(70_001, dtype), _reduced(_data(70_001, dtype), _gloo)
+    dist.reduce(t, root)
+    assert torch.equal(t, ref if dist.get_rank() == root else _data(70_001, dtype))
+
+
+def _reduced(t, group):
+    dist.all_reduce(t, group=group)
+    return t
+
+
 def test_all_reduce_premul_sum():
     """PREMUL_SUM (what DDP and FSDP may use to pre-divide): factor x the sum."""
     t = _data(37, torch.float32)

@@ -9,7 +9,8 @@ stock torch (whose wheels have no MPI backend), with no MASTER_ADDR/PORT to set.
 Under mpiexec/srun, ranks and world size come from MPI. The process group works on a private
 duplicate of `comm` (default COMM_WORLD), so a host code's own messages stay apart;
 `new_group` and DeviceMesh dimensions become MPI sub-communicators of it. Allreduces use
-mpidist's algorithm choice ("auto", or one named per process group). CPU tensors.
+mpidist's algorithm choice ("auto", or one named per process group). CPU tensors, and CUDA
+tensors ordered after torch's current stream (cuda.py).
 
 torch 2.x has no C++ backend base that Python can subclass, and DDP's reducer needs one, so
 a small C++ extension (backend.cpp) derives from c10d::Backend and forwards each collective
@@ -47,7 +48,8 @@ def register(*, rendezvous_env: bool = True) -> None:
     """
     with _lock:
         if not _state["registered"]:
-            dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+            dist.Backend.register_backend(NAME, _create, extended_api=True,
+                                          devices=["cpu", "cuda"])
             _state["registered"] = True
     if rendezvous_env:
         for key, value in _rendezvous(MPI.COMM_WORLD).items():

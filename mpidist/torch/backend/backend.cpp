@@ -184,7 +184,7 @@ class __attribute__((visibility("hidden"))) MpidistBackend : public c10d::Backen
       std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override {
-    return callOp(c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED,
+    return callOp(c10d::OpType::COALESCED,  // (REDUCE_SCATTER_TENSOR_COALESCED: not in 2.11)
                   "reduce_scatter_tensor_coalesced", outputs, opts.reduceOp, outputs, inputs);
   }
 
