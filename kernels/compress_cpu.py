@@ -2,8 +2,8 @@
 fp16/bf16 casts also serve the collectives, which reduce half precision in float32
 (NumPy's own float16 casts run a scalar loop, slower than these bit manipulations).
 
-The per-element formulas are leaf scalar functions (`_f16_bits`, `_bf16_bits`,
-`_f32_bits_of_f16`, `_uniform`, `_qsgd_code`) that call nothing else, so the GPU module
+The per-element formulas are leaf scalar functions (`f16_bits`, `bf16_bits`,
+`f32_bits_of_f16`, `uniform`, `qsgd_code`) that call nothing else, so the GPU module
 compiles the very same Python source (`.py_func`) with numba.cuda: the formula is written
 once for both devices.
 
@@ -20,14 +20,16 @@ from numba import njit
 __all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode",
            "fp16_decode", "bf16_decode",
            "sign_encode", "sign_decode_add", "qsgd_width", "qsgd_encode", "qsgd_decode_add",
-           "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add"]
+           "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add",
+           # the scalar formulas, which compress_gpu compiles for the device too
+           "f16_bits", "bf16_bits", "f32_bits_of_f16", "uniform", "qsgd_code"]
 _ABS = np.uint32(0x7FFFFFFF)
 _INF32 = np.uint32(0x7F800000)
 
 
 # ---------------------------------------------------------------- scalar formulas (CPU + GPU)
 @njit(cache=True)
-def _f16_bits(b, k):
+def f16_bits(b, k):
     """float32 bits b, times 2**k, rounded to the nearest-even float16 bit pattern.
 
     Zero and float32 subnormals (|x| < 2**-126) give signed zero; NaN stays NaN, inf and
@@ -63,7 +65,7 @@ def _f16_bits(b, k):
 
 
 @njit(cache=True)
-def _bf16_bits(b):
+def bf16_bits(b):
     """float32 bits b rounded to the nearest-even bfloat16 bit pattern (NaN kept quiet)."""
     b = np.uint32(b)
     if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
@@ -73,7 +75,7 @@ def _bf16_bits(b):
 
 
 @njit(cache=True)
-def _f32_bits_of_f16(h):
+def f32_bits_of_f16(h):
     """The float32 bit pattern of float16 bits h, exactly (every float16 is a float32;
     NaN payloads kept, as NumPy's cast keeps them)."""
     h = np.uint32(h)
@@ -94,7 +96,7 @@ def _f32_bits_of_f16(h):
 
 
 @njit(cache=True)
-def _uniform(seed, i):
+def uniform(seed, i):
     """Counter-based uniform in [0, 1) of (seed, i): a 32-bit integer mixer (lowbias32).
 
     Products are of 32-bit values in 64-bit registers, so nothing overflows anywhere.
@@ -110,7 +112,7 @@ def _uniform(seed, i):
 
 
 @njit(cache=True)
-def _qsgd_code(v, s_over_norm, levels, u, width):
+def qsgd_code(v, s_over_norm, levels, u, width):
     """QSGD code of v: sign bit | level, level = floor(|v| / norm * s + u) (unbiased)."""
     lev = np.int32(abs(v) * s_over_norm + u)
     if lev > levels:
@@ -148,7 +150,7 @@ def all_finite(bits):
 def fp16_encode(bits, k, out):
     """out[i] = float16(x[i] * 2**k), round to nearest even (bits: x viewed as uint32)."""
     for i in range(bits.size):
-        out[i] = _f16_bits(bits[i], k)
+        out[i] = f16_bits(bits[i], k)
 
 
 @njit(cache=True)
@@ -171,14 +173,14 @@ def fp16_decode_add(half, pow2, out):
 def bf16_encode(bits, out):
     """out[i] = bfloat16(x[i]), round to nearest even."""
     for i in range(bits.size):
-        out[i] = _bf16_bits(bits[i])
+        out[i] = bf16_bits(bits[i])
 
 
 @njit(cache=True)
 def fp16_decode(half, out):
     """out[i] = float32 bits of float16 bits half[i] (exact)."""
     for i in range(half.size):
-        out[i] = _f32_bits_of_f16(half[i])
+        out[i] = f32_bits_of_f16(half[i])
 
 
 @njit(cache=True)
@@ -265,7 +267,7 @@ def qsgd_encode(x, levels, bucket, width, seed, codes, norms):
         norms[b] = m
         scale = np.float32(levels) / m if m > 0 else np.float32(0.0)
         for i in range(lo, hi):
-            buf[i - lo] = _qsgd_code(x[i], scale, levels, _uniform(seed, i), width)
+            buf[i - lo] = qsgd_code(x[i], scale, levels, uniform(seed, i), width)
         for i in range(hi - lo, bucket):
             buf[i] = 0
         first = lo * width // 8
@@ -299,7 +301,7 @@ def randomk_indices(n, k, seed, out):
     for b in range(k):
         lo = (b * n) // k
         hi = ((b + 1) * n) // k
-        out[b] = lo + min(hi - lo - 1, np.int64(_uniform(seed, b) * (hi - lo)))
+        out[b] = lo + min(hi - lo - 1, np.int64(uniform(seed, b) * (hi - lo)))
 
 
 # ---------------------------------------------------------------- top-k by threshold
@@ -308,7 +310,7 @@ def sample_abs(x, seed, out):
     """|x| at out.size pseudo-random positions (a sample for the threshold estimate)."""
     n = x.size
     for j in range(out.size):
-        out[j] = abs(x[min(n - 1, np.int64(_uniform(seed, j) * n))])
+        out[j] = abs(x[min(n - 1, np.int64(uniform(seed, j) * n))])
 
 
 @njit(cache=True)

@@ -34,11 +34,11 @@ def _blocks(n: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernels() -> SimpleNamespace:
-    f16_bits = cuda.jit(device=True)(_cpu._f16_bits.py_func)
-    bf16_bits = cuda.jit(device=True)(_cpu._bf16_bits.py_func)
-    f32_bits_of_f16 = cuda.jit(device=True)(_cpu._f32_bits_of_f16.py_func)
-    uniform = cuda.jit(device=True)(_cpu._uniform.py_func)
-    qsgd_code = cuda.jit(device=True)(_cpu._qsgd_code.py_func)
+    f16_bits = cuda.jit(device=True)(_cpu.f16_bits.py_func)
+    bf16_bits = cuda.jit(device=True)(_cpu.bf16_bits.py_func)
+    f32_bits_of_f16 = cuda.jit(device=True)(_cpu.f32_bits_of_f16.py_func)
+    uniform = cuda.jit(device=True)(_cpu.uniform.py_func)
+    qsgd_code = cuda.jit(device=True)(_cpu.qsgd_code.py_func)
 
     @cuda.jit
     def fp16(bits, k, out):
