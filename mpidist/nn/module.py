@@ -50,6 +50,10 @@ class Module:
         self._children.append((name, module))
         return module
 
+    def children(self) -> list[tuple[str, Module]]:
+        """(name, module) of the registered sub-modules, in forward order."""
+        return list(self._children)
+
     def param_shapes(self, prefix: str = "") -> list[tuple[str, tuple[int, ...]]]:
         """(full name, shape) of every parameter, in forward order."""
         out = [(prefix + n, s) for n, s in self._params]

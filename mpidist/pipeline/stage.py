@@ -71,16 +71,16 @@ def pipeline_layers(model: Module) -> list[tuple[str, Module]]:
                 + [("ln_f.", model.ln_f), ("head.", model.head)])
     if isinstance(model, CNN):
         return [("", _ToImage(model.in_shape))] + [
-            (f"body.{name}.", layer) for name, layer in model.body._children]
+            (f"body.{name}.", layer) for name, layer in model.body.children()]
     if isinstance(model, Sequential):
-        return [(f"{name}.", layer) for name, layer in model._children]
+        return [(f"{name}.", layer) for name, layer in model.children()]
     raise TypeError(f"cannot split {type(model).__name__} into pipeline stages: use an "
                     f"nn.Sequential (e.g. MLP), CNN or GPT")
 
 
 def _modules(m: Module) -> list[Module]:
     out = [m]
-    for _, child in m._children:
+    for _, child in m.children():
         out += _modules(child)
     return out
 

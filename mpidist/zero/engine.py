@@ -116,7 +116,7 @@ class ZeroEngine(abc.ABC):
         self.inflight = InFlight()
         self.loss = SoftmaxCrossEntropy()
         self.step = 0
-        self._t_comm = 0.0         # seconds waiting for communication in this step
+        self.t_comm = 0.0          # seconds waiting for communication in this step
         self._setup(np.random.default_rng(seed))
         self.optimizer = make_optimizer(self.layout, self.offset, self.count, self.dtype)
         self.onebit = self._make_onebit()
@@ -220,7 +220,7 @@ class ZeroEngine(abc.ABC):
         if global_count is None:
             global_count = self.comm.comm.allreduce(count)
         self.inflight.reset_peak()
-        self._t_comm = 0.0
+        self.t_comm = 0.0
         t0 = time.perf_counter()
         momentum = self.sends_momentum
         if momentum:
@@ -229,8 +229,8 @@ class ZeroEngine(abc.ABC):
         if momentum and self.stage == 1:      # 2. the whole local gradient, as momentum
             t = time.perf_counter()
             self.onebit.send(self.grads.data.astype(np.float32, copy=self.dtype != np.float32))
-            self._t_comm += time.perf_counter() - t
-        t1, comm_in_backward = time.perf_counter(), self._t_comm
+            self.t_comm += time.perf_counter() - t
+        t1, comm_in_backward = time.perf_counter(), self.t_comm
         # NaN/Inf in any rank's shard skips the step everywhere; the loss sums ride along
         g = self.onebit.summed if momentum else self.grad_shard()
         bad = 0.0 if bool(get_array_module(g).isfinite(g).all()) else 1.0
@@ -251,10 +251,11 @@ class ZeroEngine(abc.ABC):
                 "t_comm": comm_in_backward + (t3 - t2), "t_optim": t2 - t1,
                 "skipped": bool(self.info.skipped)}
 
-    def _timed_wait(self, pending):
+    def timed_wait(self, pending):
+        """pending.wait(), its time counted in this step's communication (t_comm)."""
         t = time.perf_counter()
         out = pending.wait()
-        self._t_comm += time.perf_counter() - t
+        self.t_comm += time.perf_counter() - t
         return out
 
     def evaluate(self, x, y) -> dict:

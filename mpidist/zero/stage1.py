@@ -56,7 +56,7 @@ class Stage1(ZeroEngine):
         # 2. reduce-scatter: my chunk of the flat buffer is my shard; the sum is written there
         t = time.perf_counter()
         summed = self.inflight.add(reduce_scatter(self.grads.data, op="sum", comm=self.comm))
-        self._t_comm += time.perf_counter() - t
+        self.t_comm += time.perf_counter() - t
         self.grad_shard()[...] = summed
         self.inflight.drop(summed)
 
@@ -69,7 +69,7 @@ class Stage1(ZeroEngine):
         if g.dtype != np.float32:
             g = g.astype(np.float32)
         summed = self.compression.allreduce_async(g, op="sum", layout=self.layout).wait()
-        self._t_comm += time.perf_counter() - t
+        self.t_comm += time.perf_counter() - t
         self.grad_shard()[...] = summed[self.offset:self.offset + self.count]
 
     def _publish_params(self) -> None:

@@ -127,7 +127,7 @@ class GradBuckets:
         t = time.perf_counter()
         g = b.buf if b.buf.dtype == np.float32 else b.buf.astype(np.float32)
         out[...] += self.e.compression.reduce_scatter(g, lo=b.lo, n=self.e.layout.numel)
-        self.e._t_comm += time.perf_counter() - t
+        self.e.t_comm += time.perf_counter() - t
         return Handle(out)
 
     def _momentum(self, b: _Bucket) -> Handle:
@@ -136,12 +136,12 @@ class GradBuckets:
         (blocking); the gradient shard stays zero."""
         t = time.perf_counter()
         self.e.onebit.send(b.buf.astype(np.float32, copy=True), lo=b.lo)
-        self.e._t_comm += time.perf_counter() - t
+        self.e.t_comm += time.perf_counter() - t
         return Handle(None)
 
     def _retire(self) -> None:
         b = self.queue.popleft()
-        self.e._timed_wait(b.pending)
+        self.e.timed_wait(b.pending)
         self.e.inflight.drop(*b.pending.buffers)
         self._free(b)
 

@@ -54,13 +54,13 @@ class ParamGather:
             self.pos += 1
             if self.pos < len(self.plan):
                 self._fetch(self.plan[self.pos])          # prefetch: overlaps unit's compute
-        unit.bind_params(self.e._timed_wait(pending))
+        unit.bind_params(self.e.timed_wait(pending))
 
     def release(self, unit) -> None:
         pending = self.cache.pop(unit.index, None)
         unit.bind_params(None)
         if pending is not None:
-            self.e._timed_wait(pending)
+            self.e.timed_wait(pending)
             self.e.inflight.drop(*pending.buffers)
 
     def end_phase(self) -> None:
