@@ -1,11 +1,11 @@
 """Byte sizes as people write them: '64K' <-> 65536, for the command lines and the
-allreduce decision table.
+allreduce decision table; and lists of counts, '2,4' -> [2, 4], for the command lines.
 See docs/ARCHITECTURE.md (foundation)."""
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["parse_size", "parse_sizes", "format_size"]
+__all__ = ["parse_size", "parse_sizes", "format_size", "positive_ints"]
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -35,3 +35,16 @@ def format_size(n: int) -> str:
         if n >= div and n % div == 0:
             return f"{n // div}{unit}"
     return str(n)
+
+
+def positive_ints(text: str) -> list[int]:
+    """'2,4' -> [2, 4]: comma-separated integers >= 1 (an argparse type).
+
+    Raises argparse.ArgumentTypeError naming the text otherwise."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values

@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 from mpidist.launcher import ft_supported
+from mpidist.sizes import positive_ints
 
 __all__ = ["main"]
 
@@ -25,20 +26,10 @@ JOB = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
                    "jobs", "digits_lamb.toml")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _parse(argv):
     p = argparse.ArgumentParser(prog="mpidist bench ft", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=_ints, default=[2, 3, 4], help="world sizes at start (>= 2)")
-    p.add_argument("--hidden", type=_ints, default=[256, 1024, 2048], help="hidden layer widths")
+    p.add_argument("--ranks", type=positive_ints, default=[2, 3, 4], help="world sizes at start (>= 2)")
+    p.add_argument("--hidden", type=positive_ints, default=[256, 1024, 2048], help="hidden layer widths")
     p.add_argument("--steps", type=int, default=40, help="training steps per run")
     p.add_argument("--kill-at", type=int, default=15, help="the last rank dies in the step after this one")
     p.add_argument("--reps", type=int, default=1, help="repetitions (the runs take turns)")

@@ -30,28 +30,19 @@ from mpidist.pipeline.executor import PipelineExecutor
 from mpidist.pipeline.schedules import PIPELINE_SCHEDULES, build_schedule, ideal_bubble
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
 from mpidist.pipeline.timing import gather_events, plot_timeline, replay, summarize
+from mpidist.sizes import positive_ints
 
 __all__ = ["main"]
 
 TARGET = 0.15
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _parse(argv):
     p = argparse.ArgumentParser(prog="mpidist bench pipeline", description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default="gpipe,1f1b",
                    help=f"schedules to run, of {','.join(PIPELINE_SCHEDULES)} (default gpipe,1f1b)")
-    p.add_argument("--stages", type=_ints, default=[2, 4], help="pipeline sizes p (default 2,4)")
-    p.add_argument("--microbatches", type=_ints, default=[4, 8, 16],
+    p.add_argument("--stages", type=positive_ints, default=[2, 4], help="pipeline sizes p (default 2,4)")
+    p.add_argument("--microbatches", type=positive_ints, default=[4, 8, 16],
                    help="micro-batch counts m (default 4,8,16)")
     p.add_argument("--virtual", type=int, default=2, help="chunks per rank for 'interleaved'")
     p.add_argument("--dim", type=int, default=1024, help="width of the Linear layers (default 1024)")

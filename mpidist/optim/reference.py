@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Reference", "sgd", "adamw", "lars", "lamb"]
+__all__ = ["Reference", "sgd", "adamw", "lars", "lamb", "sumsq"]
 
 f32 = np.float32
 
 
-def _sumsq(x) -> float:
+def sumsq(x) -> float:
+    """The sum of squares of x, accumulated in float64."""
     return float(np.sum(np.square(x.astype(np.float64))))
 
 
@@ -53,7 +54,7 @@ def adamw(w, g, m, v, vmax, t, *, lr, betas, eps, wd, bias_correction=True):
 
 def lars_trust(w, g, *, eta, wd) -> float:
     """LARS's trust ratio eta ||w|| / (||g|| + wd ||w||), 1 where either norm is 0."""
-    wn, gn = np.sqrt(_sumsq(w)), np.sqrt(_sumsq(g))
+    wn, gn = np.sqrt(sumsq(w)), np.sqrt(sumsq(g))
     return eta * wn / (gn + wd * wn) if wn > 0 and gn > 0 else 1.0
 
 
@@ -71,7 +72,7 @@ def lamb(w, g, m, v, vmax, t, *, lr, betas, eps, wd, bias_correction, phi_clamp,
          adapt=True) -> float:
     """One LAMB step in place; returns the trust ratio."""
     u = _adam(g, m, v, vmax, t, betas, eps, bias_correction) + f32(wd) * w
-    wn, un = np.clip(np.sqrt(_sumsq(w)), *phi_clamp), np.sqrt(_sumsq(u))
+    wn, un = np.clip(np.sqrt(sumsq(w)), *phi_clamp), np.sqrt(sumsq(u))
     trust = float(np.clip(wn / un if wn > 0 and un > 0 else 1.0, *trust_clamp)) if adapt else 1.0
     w -= f32(lr * trust) * u
     return trust

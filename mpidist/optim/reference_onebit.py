@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.optim.reference import adamw, lamb
+from mpidist.optim.reference import adamw, lamb, sumsq
 from mpidist.partition import chunk
 
 __all__ = ["OnebitReference"]
 
 f32 = np.float32
-
-
-def _sumsq(x) -> float:
-    return float(np.sum(np.square(x.astype(np.float64))))
 
 
 class OnebitReference:
@@ -137,7 +133,7 @@ class OnebitReference:
             self.vf[sl] = f32(b2) * self.vf[sl] + f32(1.0 - b2) * (g * g)
             u = r + wd * ws
             factor = float(np.max(den / (np.sqrt(self.vf[sl] / f32(bc2t)) + eps)))
-            un, rn = np.sqrt(_sumsq(u)), np.sqrt(_sumsq(r))
+            un, rn = np.sqrt(sumsq(u)), np.sqrt(sumsq(r))
             if self.excluded[s.index]:
                 coeff = 1.0
             else:
