@@ -1,14 +1,13 @@
 """CUDA tensors in the backend: each collective is ordered after the work torch had queued on
-its current stream when the collective was called, then runs on mpidist's GPU path.
+its current stream when the collective was called.
 
-Allreduces: the caller's thread records an event on torch's current stream (the collective's inputs are
-ready once it has passed); the group's worker waits for that event, then float32/float64
-reductions go to mpidist's allreduce / reduce_scatter on CuPy views of the tensors (its
-device path: CUDA-aware MPI where the library is, else staged through the host), and every
-other collective runs the CPU path on host copies, copied back to the device after it
-(on_host: the copies are made at the call, on torch's current stream, so after its queued
-work). The Work completes only once the results are on the device, so work queued after
-wait() sees them.
+Allreduces: the caller's thread records an event on torch's current stream; the group's
+worker waits for it, then float32/float64 tensors go to mpidist's allreduce on CuPy views
+(its device path: CUDA-aware MPI where the library is, else staged through the host), other
+dtypes to the CPU path on host copies. Every other collective (on_host) runs the CPU path on
+host copies made at the call, on torch's current stream (so after its queued work), copied
+back to the device before the Work completes. The Work completes only once the results are
+on the device, so work queued after wait() sees them.
 """
 from __future__ import annotations
 
