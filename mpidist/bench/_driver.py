@@ -29,7 +29,7 @@ def drive(name: str, args, worker, report, worker_args: list[str]) -> int:
         return 2
     if args.worker or _launched():
         result = worker(args)
-        from mpi4py import MPI
+        from mpi4py import MPI       # here, not at the top: the driver process starts the ranks
         if MPI.COMM_WORLD.Get_rank() == 0:
             if args.json:
                 with open(args.json, "w") as fh:

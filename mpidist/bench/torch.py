@@ -55,10 +55,10 @@ def _parse(argv):
 
 def _model(name: str):
     """A fresh copy of the model, the same initial values every time."""
-    import torch
+    import torch                        # optional: mpidist runs without it
     torch.manual_seed(0)
     if name == "gpt":
-        from mpidist.torch.models import GPT
+        from mpidist.torch.models import GPT   # needs torch, as above
         return GPT(block=BLOCK)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(),
                                torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
@@ -67,7 +67,7 @@ def _model(name: str):
 
 def _data(name: str, batch: int, rank: int):
     """(inputs, targets, loss function) of this rank's synthetic batch."""
-    import torch
+    import torch                        # optional: mpidist runs without it
     gen = torch.Generator().manual_seed(rank)
     if name == "gpt":
         tokens = torch.randint(0, 256, (batch, BLOCK + 1), generator=gen)
@@ -88,13 +88,15 @@ def _free_port() -> int:
 
 # ----------------------------------------------------------------------------- one world size
 def _worker(args) -> dict:
+    # in the ranks only: the driver process, which starts them, must not initialise MPI, and
+    # torch is optional
     import numba
     import torch
     import torch.distributed as dist
 
-    import mpidist.torch as mt
-    from mpi4py import MPI
-    from mpidist.comm import Communicator
+    import mpidist.torch as mt                  # needs torch
+    from mpi4py import MPI                      # initialises MPI: in the ranks only
+    from mpidist.comm import Communicator       # imports mpi4py's MPI
 
     torch.set_num_threads(1)
     numba.set_num_threads(1)

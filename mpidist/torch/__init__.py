@@ -14,6 +14,6 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_
 def __getattr__(name):
     # the torch.distributed backend (mpidist.torch.backend) is imported on first use only
     if name == "init_process_group":
-        from mpidist.torch.backend import init_process_group
+        from mpidist.torch.backend import init_process_group   # deferred: builds a C++ extension
         return init_process_group
     raise AttributeError(f"module 'mpidist.torch' has no attribute {name!r}")

@@ -32,6 +32,7 @@ import torch
 
 from mpidist.collectives.window import SharedBuffer
 from mpidist.comm import as_communicator
+from mpidist.compress import CompressedAllreduce, make_compressor
 from mpidist.engine.onebit import is_onebit
 from mpidist.flat import Layout
 from mpidist.optim import Optimizer as FlatOptimizer
@@ -232,7 +233,6 @@ class DistributedOptimizer:
         else:
             compressed = None
             if compression not in (None, "none"):
-                from mpidist.compress import CompressedAllreduce, make_compressor
                 compressed = CompressedAllreduce(make_compressor(compression, **(options or {})),
                                                  c, nonfinite="skip")
             exchange = Allreduce(self.storage, c, algorithm=self.algorithm, compressed=compressed)
