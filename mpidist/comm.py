@@ -65,6 +65,9 @@ class Communicator:
 
     # the flight recorder's record of the calls made on this communicator (collectives.flight)
     flight_record = None
+    # the mismatch guard's vote buffer for its checks on this communicator (collectives.guard;
+    # a communicator's collectives come from one thread at a time, as MPI requires)
+    guard_votes = None
 
     def __init__(self, comm: MPI.Comm | None = None, *, ranks_per_node: int | None = None,
                  _node: int | None = None, _dup: bool = True):

@@ -109,11 +109,10 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
     itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
     every rank holding the same table: the guard compares the resolved name too); entry is
     the call's flight record, which the caller ends (flight.end) once the reduction is
-    complete. A small "native" allreduce travels with the guard's check (guard.CARRY) and
-    is reduced here: the name returned is then None, nothing is left to run.
+    complete.
     """
     c = as_communicator(comm)
-    error, signature, name, carried = None, None, algorithm, None
+    error, signature, name = None, None, algorithm
     try:
         x = flat_view(buf, "buf")
         opx = get_op(op)
@@ -128,28 +127,10 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
             raise ValueError("the result array is read-only; pass a writeable out=")
         signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
                      ("algorithm", algorithm if name == algorithm else f"auto: {name}"))
-        if name == "native" and 0 < x.nbytes <= guard.carry_bytes(c.size) \
-                and accumulator_dtype(x.dtype) is x.dtype:
-            carried = x if type(x) is np.ndarray else x.get()   # a decision the signature fixes
     except (TypeError, ValueError) as exc:
         error = exc
-    entry, rows = guard.check_carrying(c, signature, error, carried)
-    if rows is not None:
-        _reduce_rows(rows, y, opx, c.size)
-        name = None
+    entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry
-
-
-def _reduce_rows(rows, y, opx, size: int) -> None:
-    """y = every rank's data (rows, in rank order) reduced, as MPI_Allreduce would."""
-    dst = y if type(y) is np.ndarray else np.empty(y.size, y.dtype)
-    if size == 2:
-        opx.ufunc(rows[0], rows[1], out=dst)
-    else:
-        opx.ufunc.reduce(rows, axis=0, out=dst)
-    opx.finalize(dst, size)
-    if dst is not y:
-        y.set(dst)
 
 
 def reduced_bytes(x) -> int:
@@ -159,9 +140,8 @@ def reduced_bytes(x) -> int:
 
 
 def run_allreduce(c, x, y, opx, name: str) -> None:
-    """Run algorithm `name` on checked arguments: widen half precision, stage device data.
-    Nothing to do for name None (the data came with the guard's check)."""
-    if name is None or x.size == 0:
+    """Run algorithm `name` on checked arguments: widen half precision, stage device data."""
+    if x.size == 0:
         return
     fn = ALGORITHMS[name]
     if type(x) is np.ndarray and accumulator_dtype(x.dtype) is x.dtype:    # the fast path
