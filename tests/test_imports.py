@@ -27,8 +27,6 @@ OPTIONAL_OR_SLOW = {"cupy", "cupyx", "numba", "torch", "jax", "matplotlib", "skl
 STARTERS = {"mpidist.cli", "mpidist.launcher", "mpidist.simcluster", "mpidist.bench._driver",
             "mpidist.bench.train", "mpidist.bench.torch", "mpidist.bench.torch_backend"}
 FOR_STARTERS = {"mpi4py", "h5py", "numpy"}
-# files other work is reworking now; the checks skip them until it is done
-REWORKED = {"mpidist/bench/torch_backend.py"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -202,8 +200,6 @@ def test_imports_inside_functions_only_defer_a_heavy_dependency_and_say_so():
     for_starters = _reaching(mods, OPTIONAL_OR_SLOW | FOR_STARTERS)
     bad = []
     for name, path in sorted(mods.items()):
-        if str(path.relative_to(ROOT.parent)) in REWORKED:
-            continue
         text = path.read_text()
         lines = text.splitlines()
         said = set()            # packages whose deferral a comment explained already

@@ -41,7 +41,7 @@ def _parse(argv):
 
 
 def _mlp():
-    import torch
+    import torch                        # optional: mpidist runs without it
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.ReLU(),
                                torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
@@ -49,12 +49,12 @@ def _mlp():
 
 
 def _worker(args) -> dict:
-    import torch
+    import torch                                        # optional: mpidist runs without it
     import torch.distributed as dist
-    from mpi4py import MPI
+    from mpi4py import MPI                              # initialises MPI: in the ranks only
 
-    from mpidist.comm import Communicator
-    from mpidist.torch.backend import init_process_group
+    from mpidist.comm import Communicator               # imports mpi4py's MPI
+    from mpidist.torch.backend import init_process_group   # needs torch
 
     torch.set_num_threads(1)
     comm = Communicator()                        # the bench's own barriers and timings
