@@ -68,6 +68,8 @@ class Communicator:
     # the mismatch guard's vote buffer for its checks on this communicator (collectives.guard;
     # a communicator's collectives come from one thread at a time, as MPI requires)
     guard_votes = None
+    # auto's plan for this communicator: its layout's row of the decision table (collectives.select)
+    auto_plan = None
 
     def __init__(self, comm: MPI.Comm | None = None, *, ranks_per_node: int | None = None,
                  _node: int | None = None, _dup: bool = True):

@@ -126,11 +126,14 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
         if read_only(y):
             raise ValueError("the result array is read-only; pass a writeable out=")
         signature = (kind, ("n", x.size), ("dtype", dtype_name(x.dtype)), ("op", opx.name),
-                     ("algorithm", algorithm if name == algorithm else f"auto: {name}"))
+                     ("algorithm", algorithm if name == algorithm else _AUTO[name]))
     except (TypeError, ValueError) as exc:
         error = exc
     entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry
+
+
+_AUTO = {name: f"auto: {name}" for name in ALGORITHMS}      # auto's resolved names, as signed
 
 
 def reduced_bytes(x) -> int:

@@ -15,7 +15,6 @@ import bisect
 import json
 import os
 import threading
-import weakref
 
 from mpidist.collectives import shm
 from mpidist.collectives.registry import ALGORITHMS
@@ -153,7 +152,7 @@ def load_table(path: str) -> Table:
 _UNREAD = object()
 _state = {"path": None, "set": False, "env": _UNREAD}    # env: MPIDIST_ALGORITHM_TABLE, once
 _tables: dict[str, Table] = {}                    # path -> its table, read once
-_plans: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # comm -> (path, steps)
+_generation = [0]             # raised by use_table: every communicator's plan is read again
 _lock = threading.Lock()
 
 
@@ -163,7 +162,7 @@ def use_table(path: str | None) -> None:
     (afresh) at the next auto call, and a bad file then raises on every rank."""
     with _lock:
         _state.update(path=path or None, set=path is not None, env=_UNREAD)
-        _plans.clear()
+        _generation[0] += 1
         _tables.clear()
 
 
@@ -193,14 +192,11 @@ def _table() -> Table | None:
 def choose(comm, nbytes: int) -> str:
     """The algorithm auto runs for nbytes (bytes reduced) on comm: the table's entry for
     comm's layout, else rule(); deterministic. ValueError for an unreadable table."""
-    path = table_path()
-    plan = _plans.get(comm)
-    if plan is None or plan[0] != path:        # read (and checked) even where one rank
-        table = _table()                       # has nothing to reduce
+    plan = comm.auto_plan                      # (generation, steps), kept on the communicator
+    if plan is None or plan[0] != _generation[0]:
+        table = _table()                       # read (and checked) even where one rank
         found = table.steps.get(_key(layout_of(comm))) if table is not None else None
-        plan = (path, found)
-        with _lock:
-            _plans[comm] = plan
+        plan = comm.auto_plan = (_generation[0], found)      # has nothing to reduce
     if comm.size == 1 or nbytes <= 0:
         return "native"
     if plan[1] is None:
