@@ -25,7 +25,9 @@ from mpidist.sizes import format_size, parse_sizes
 
 __all__ = ["tune", "shortlist", "main", "DEFAULT_SIZES", "MARGIN", "SHORTLIST"]
 
-DEFAULT_SIZES = "8,512,4K,32K,256K,1M,4M,16M,64M"
+# up to the largest size `mpidist bench allreduce` measures by default, so that its every
+# size has a row measured for it rather than the last row's extrapolation
+DEFAULT_SIZES = "8,512,4K,32K,256K,1M,4M,16M,64M,256M"
 MARGIN = 3.0          # shortlist: predicted within this factor of the model's best
 SHORTLIST = 5         # at most this many candidates from the model (the rule's pick joins)
 
