@@ -120,9 +120,16 @@ def accept_arrays(*names, out: str | None = "out", in_place: bool = False):
     def deco(fn):
         params = list(inspect.signature(fn).parameters)
         where = {n: params.index(n) for n in names}
+        places = tuple(where.items())
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            for n, i in places:                 # NumPy arrays and None: straight through
+                v = kwargs.get(n) if n in kwargs else (args[i] if i < len(args) else None)
+                if v is not None and type(v) is not np.ndarray:
+                    break
+            else:
+                return fn(*args, **kwargs)
             got = {n: kwargs[n] if n in kwargs else (args[i] if i < len(args) else None)
                    for n, i in where.items()}
             if all(_native(v) if not isinstance(v, (list, tuple)) else all(map(_native, v))
