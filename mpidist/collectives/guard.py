@@ -2,20 +2,13 @@
 algorithm) before any data moves, and raise together, naming the ranks that differ, instead
 of hanging in mismatched messages.
 
-Every call is checked, cheaply: one two-word integer MPI_Allreduce (MAX) of the signature's
-digest d and -d (a rank with an argument error votes a value no digest takes). max(d) ==
--max(-d) exactly when every rank has the same d, so a differing length, dtype, op,
-algorithm, kind of collective or call order is caught on any call, not only the first of a
-signature. Only when the check fails, or a rank has an argument error, do the ranks
-exchange their full signatures to say who differs. A one-rank communicator checks nothing
-with MPI: it agrees with itself.
-
-Each checked call is entered in the flight recorder (flight.py), whose watchdog ends a job
-whose call never finishes (a rank that skipped a call leaves no signature to compare).
-
-Modes (env MPIDIST_GUARD or set_mode()): "on" (default) checks and records every call; "off"
-does neither (a rank with a bad argument then raises alone). "first" and "always" are
-accepted as older names of "on".
+Every call is checked, by one two-word integer MPI_Allreduce (MAX) of the signature's digest
+d and -d: max(d) == -max(-d) exactly when every rank has the same d (a rank with an argument
+error votes a value no digest takes). Only a failed check exchanges the full signatures, to
+say who differs. Each checked call goes on the flight recorder (flight.py), whose watchdog
+ends a job whose call never finishes. Modes (env MPIDIST_GUARD or set_mode()): "on" (the
+default; "first" and "always" are older names of it) or "off" (no check, no record: a rank
+with a bad argument then raises alone). See docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 

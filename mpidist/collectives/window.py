@@ -1,24 +1,13 @@
 """A flat buffer that lives in a node's shared-memory window, reduced where it lies.
 
-The shared-memory allreduce (shm.py) first copies each rank's input into a window slice.
-When the array is allocated in the window to begin with (a gradient buffer that backward
-writes into directly), that copy goes too. For a range [lo, hi) of the buffer:
-1. ready: barrier (every rank's range holds its final values);
-2. reduce: my chunk, chunk(hi - lo, rank, size) of the range, summed over every rank's
-   slice (mine first, then the next ranks' in a ring), block by block, in place in my own
-   slice (no other rank reads that part of my slice);
-3. gather: barrier; copy every other rank's reduced chunk out of its slice.
-Memory traffic per rank: about n (p+1)/p + 2 n (p-1)/p bytes for n bytes, a third of the
-ring's, and two barriers. One rank reduces each chunk, in a fixed order, so every rank
-ends with the same bits. A third barrier (fence) must separate the last gather from the next
-writes into the buffer. Float32 and float64 only (half precision needs wider sums: use the
-collectives, which widen).
-
-The reductions run in order on a worker thread of the buffer's own, so they overlap with
-the caller's work, as allreduce_async does; each is on the flight recorder's record, so the
-watchdog reports a rank that stops submitting them. Its barriers are counters in the window that
-the waiting thread polls with short sleeps: an MPI barrier would poll a core the caller's
-compute needs while the other ranks are still in backward.
+The shared-memory allreduce (shm.py) first copies each rank's input into a window slice;
+an array allocated in the window to begin with (a gradient buffer that backward writes into
+directly) needs no such copy. Each range is reduced by the rank that owns its chunk, in
+rank order (every rank ends with the same bits), on a worker thread of the buffer's own,
+so that reductions overlap the caller's work. Waits poll counters in the window with short
+sleeps: an MPI barrier would poll a core that the caller's compute still needs. Float32
+and float64 only (half precision needs wider sums: use the collectives, which widen).
+The phases: SharedBuffer; see docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 
@@ -48,6 +37,16 @@ class SharedBuffer:
     data: this rank's array. allreduce_async(lo, hi) sums data[lo:hi] over the ranks in
     place and returns a Handle; reduce_scatter_async and allgather serve ZeRO's shards;
     fence() before writing into a range reduced since.
+
+    For a range [lo, hi):
+    1. ready: barrier (every rank's range holds its final values);
+    2. reduce: my chunk, chunk(hi - lo, rank, size), summed over every rank's slice (mine
+       first, then the next ranks' in a ring), block by block, in place in my own slice;
+    3. gather: barrier; copy every other rank's reduced chunk out of its slice.
+    Memory traffic per rank: about n (p+1)/p + 2 n (p-1)/p bytes for n bytes, a third of
+    the ring's. A third barrier (fence) separates the last gather from the next writes.
+    Each reduction is on the flight recorder's record, so the watchdog reports a rank that
+    stops submitting them.
     """
 
     @staticmethod

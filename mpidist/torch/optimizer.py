@@ -9,19 +9,9 @@ fused update over flat buffers.
         opt.step()
 
 Shaped like Horovod's torch optimizer (hooks, asynchronous handles, step() waits first),
-out of one piece per concern:
-  * params.py    the checks of the parameters (local, then the same on every rank);
-  * storage.py   the re-homing, once: each `param.data` and `param.grad` a view of a flat
-                 buffer (nothing copied per step);
-  * buckets.py   the hooks that launch the gradient buckets during backward, in the same
-                 order on every rank, and check finiteness on the way;
-  * exchange.py, zero.py, onebit.py   what a bucket's launch and the update do: data
-                 parallel, ZeRO stage 1 or 2, a 1-bit optimizer's momentum exchange.
-step(): 1. launch what is left (parameters that got no gradient count as zero, as in
-DDP), 2. agree on finiteness with one small allreduce of the flags found in the hooks
-(no pass over the gradients), 3. wait for the buckets, 4. update: the mpidist optimizer's
-fused kernel over the flat buffers (op="avg" folds 1/size into it), or the wrapped torch
-optimizer on the `.grad` views. Non-finite gradients skip the update on every rank.
+out of one piece per concern: params (checks), storage (each param.data and .grad a view of
+a flat buffer), buckets (the backward hooks), exchange / zero / onebit (what a bucket's
+launch and the update do). The steps of step(): DistributedOptimizer.step.
 """
 from __future__ import annotations
 
@@ -250,7 +240,13 @@ class DistributedOptimizer:
 
     def step(self, closure=None):
         """Wait for the gradients, then update (skipped on every rank when any gradient is
-        Inf/NaN). Returns the closure's loss, if a closure is given."""
+        Inf/NaN). Returns the closure's loss, if a closure is given.
+
+        1. launch what is left (parameters that got no gradient count as zero, as in DDP);
+        2. agree on finiteness with one small allreduce of the flags found in the hooks (no
+           pass over the gradients); 3. wait for the buckets; 4. update: the mpidist
+        optimizer's fused kernel over the flat buffers (op="avg" folds 1/size into it), or
+        the wrapped torch optimizer on the `.grad` views."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

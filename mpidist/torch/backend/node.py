@@ -5,23 +5,8 @@ reduced in that window, with no MPI call on the way.
 Why not MPI's barrier and the shm algorithm: an MPI rank waiting for the others polls its
 core; DDP's first bucket is ready while the other ranks are still in backward, and on a node
 with more ranks than cores the poller takes that core from them. Here a waiting rank polls a
-counter a few times, then sleeps between polls, as SharedBuffer does.
-
-check(signature, error) is a barrier: each rank writes the digest of its call's signature
-(a rank with an argument error writes one no signature takes), raises its counter, waits
-for every counter, then compares the digests; when they differ every rank sees it and
-guard.check exchanges the full signatures to raise, naming who differs, on every rank.
-
-allreduce(x, y, op, signature) of n elements:
-1. publish: my input into my slice of the window (the region of this call's parity);
-   barrier with the digest (the guard);
-2. reduce: my chunk, chunk(n, rank, size), over every rank's slice in rank order, block by
-   block, into my own slice and into y;
-3. gather: barrier; every other rank's reduced chunk out of its slice into y.
-Calls alternate between two regions of the window: a rank writes a region again only after
-the barrier of the call in between, which every rank passes after its step 3 of the call
-before; so two barriers per call. One rank reduces each chunk, in rank order: every rank
-gets the same bits, those of mpidist's shm allreduce.
+counter a few times, then sleeps between polls, as SharedBuffer does. Every rank gets the
+bits of mpidist's shm allreduce. The protocol: Node.
 """
 from __future__ import annotations
 
@@ -52,7 +37,23 @@ def _digest(signature) -> int:
 
 class Node:
     """The window of one process group whose ranks share a node (collective construction;
-    used by one thread at a time, the group's worker)."""
+    used by one thread at a time, the group's worker).
+
+    check(signature, error) is a barrier: each rank writes the digest of its call's
+    signature (a rank with an argument error writes one no signature takes), raises its
+    counter, waits for every counter, then compares the digests; when they differ every
+    rank sees it and guard.check exchanges the full signatures to raise, naming who differs.
+
+    allreduce(x, y, op, signature) of n elements:
+    1. publish: my input into my slice of the window (the region of this call's parity);
+       barrier with the digest (the guard);
+    2. reduce: my chunk, chunk(n, rank, size), over every rank's slice in rank order, block
+       by block, into my own slice and into y;
+    3. gather: barrier; every other rank's reduced chunk out of its slice into y.
+    Calls alternate between two regions of the window: a rank writes a region again only
+    after the barrier of the call in between, which every rank passes after its step 3 of
+    the call before; so two barriers per call.
+    """
 
     def __init__(self, comm):
         self.comm = comm                                 # the mpidist Communicator
