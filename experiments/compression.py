@@ -44,7 +44,7 @@ QUICK = ("none (float32 ring)", "fp16", "qsgd 4-bit", "sign (1-bit)", "topk 1%")
 def _bytes_per_step(comm, config_path: str, overrides: dict, compressors) -> dict:
     """Per compressor: bytes the busiest rank sends in one allreduce of the job's gradient."""
     from mpidist.compress import CompressedAllreduce, make_compressor
-    from mpidist.compress.allreduce import ring_allreduce_bytes
+    from mpidist.compress.ring import ring_allreduce_bytes
     from mpidist.data.loader import build_datasets
     from mpidist.engine.config import load_config
     from mpidist.engine.builders import build_model_from_config
