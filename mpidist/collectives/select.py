@@ -192,13 +192,13 @@ def _table() -> Table | None:
 def choose(comm, nbytes: int) -> str:
     """The algorithm auto runs for nbytes (bytes reduced) on comm: the table's entry for
     comm's layout, else rule(); deterministic. ValueError for an unreadable table."""
-    plan = comm.auto_plan                      # (generation, steps), kept on the communicator
+    plan = comm.auto_plan        # (generation, steps, first end, its name): on the communicator
     if plan is None or plan[0] != _generation[0]:
-        table = _table()                       # read (and checked) even where one rank
-        found = table.steps.get(_key(layout_of(comm))) if table is not None else None
-        plan = comm.auto_plan = (_generation[0], found)      # has nothing to reduce
-    if comm.size == 1 or nbytes <= 0:
+        plan = comm.auto_plan = _plan(comm)    # read (and checked) even where one rank
+    if comm.size == 1 or nbytes <= 0:          # has nothing to reduce
         return "native"
+    if nbytes <= plan[2]:                      # the first row, where most calls fall
+        return plan[3]
     if plan[1] is None:
         return rule(comm, nbytes)
     ends, names = plan[1]
@@ -206,6 +206,20 @@ def choose(comm, nbytes: int) -> str:
     if name == "shm" and not shm.usable(comm):
         return rule(comm, nbytes)
     return name
+
+
+def _plan(comm) -> tuple:
+    """comm's row of the table in use, and the first size range, which choose() answers
+    without a search: the table's first row (unless shm, which needs its check), or the
+    rule's native range."""
+    table = _table()
+    found = table.steps.get(_key(layout_of(comm))) if table is not None else None
+    if found is None:
+        first = (SMALL_BYTES, "native")
+    else:
+        ends, names = found
+        first = (ends[0], names[0]) if names[0] != "shm" else (0, None)
+    return (_generation[0], found) + first
 
 
 def describe(comm) -> str:
