@@ -103,6 +103,17 @@ def test_time_rounds_times_every_call(comm):
     assert len(set(texts)) == 1                      # the slowest rank's time, everywhere
 
 
+def test_time_algorithms_runs_the_rounds_asked_or_the_budget(comm):
+    """reps rounds when given; else as many as the time budget allows, within the bounds,
+    the same count on every rank."""
+    times = timing.time_algorithms(comm, ["native", "ring"], 1024, reps=2)
+    assert set(times) == {"native", "ring"} and times["ring"].shape == (2,)
+    few = timing.time_algorithms(comm, ["native"], 64, seconds=1e-9, min_reps=3)
+    many = timing.time_algorithms(comm, ["native"], 64, seconds=10.0, max_reps=7)
+    assert few["native"].shape == (3,) and many["native"].shape == (7,)
+    assert len(set(comm.comm.allgather(many["native"].tobytes()))) == 1
+
+
 def _model(p=4, nodes=1, per_node=1):
     fits = {"ring": [50e-6, 0.4e-9], "tree": [30e-6, 0.5e-9], "dbtree": [60e-6, 0.6e-9],
             "shm": [100e-6, 0.9e-9],

@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+from mpidist.bench import allreduce as bench_allreduce
 from mpidist.collectives import allreduce, flight, select
 from mpidist.collectives.core import prepare_allreduce
 from mpidist.collectives.tuning import tune
@@ -162,6 +163,8 @@ def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     assert comm.comm.allgather(picks) == [picks] * comm.size      # the same on every rank
     for m in entry["measured"]:
         assert m["pick"] in m["us"] and m["rule"] in m["us"]     # the rule's pick is timed
+        assert m["pick"] in m["pair"] and len(m["ratios"]) == \
+            (1 if comm.size == 1 or m["pair"][0] == m["pair"][1] else tune.PASSES)
     other = {"ranks": comm.size + 1, "nodes": 1, "ranks_per_node": comm.size + 1,
              "sizes": [{"upto": None, "algorithm": "tree"}]}
     if comm.rank == 0:
@@ -176,9 +179,35 @@ def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     assert [select.choose(comm, n) for n in sizes] == picks
 
 
-def test_shortlist_adds_the_rules_pick(comm):
-    names = tune.shortlist(_model(max(2, comm.size)), comm, 64 << 20)
+def test_shortlist_screens_every_algorithm_and_the_rules_pick(comm):
+    model = _model(max(2, comm.size))
+    names = tune.shortlist(model, comm, 64 << 20)
     assert names[0] == "ring" and select.rule(comm, 64 << 20) in names
+    assert set(model.candidates()) <= set(names)
+
+
+def test_the_tune_ladder_is_the_benchmark_sizes():
+    """Every size `mpidist bench allreduce` measures by default has its own tuned row."""
+    assert tune.DEFAULT_SIZES == bench_allreduce.DEFAULT_SIZES
+
+
+def test_contenders_keep_the_rules_pick_unless_it_is_clearly_behind():
+    screened = {"native": np.array([1.0, 1.1]), "shm": np.array([1.1, 1.2]),
+                "tree": np.array([2.0, 2.0])}
+    assert tune.contenders(screened, "shm") == ("shm", "native")
+    assert tune.contenders(screened, "tree") == ("native", "shm")
+    assert tune.contenders({"native": np.ones(3)}, "native") == ("native", "native")
+
+
+@pytest.mark.parametrize("ratios, pick", [
+    ([0.99, 0.98, 0.99], "incumbent"),       # a win smaller than MIN_GAIN
+    ([0.80, 0.85, 0.90], "challenger"),      # wins every pass
+    ([0.80, 1.02, 0.85], "challenger"),      # loses one pass by less than it wins the others
+    ([0.90, 1.20, 0.90], "incumbent"),       # loses one pass by more
+    ([1.10, 1.05, 1.20], "incumbent")])
+def test_decide_keeps_the_incumbent_unless_the_challengers_worst_pass_is_better(ratios,
+                                                                                 pick):
+    assert tune.decide("incumbent", "challenger", ratios) == pick
 
 
 def test_a_job_config_checks_its_table(tmp_path):

@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from mpidist.collectives.core import allreduce
 
-__all__ = ["round_order", "time_rounds", "measure_all", "measure", "machine_state",
-           "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
+__all__ = ["round_order", "time_rounds", "time_algorithms", "measure_all", "measure",
+           "machine_state", "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
 
 STATE_BYTES = 256 << 10            # the machine_state reference: in the caches, between ranks
 STATE_TOLERANCE = 1.25             # a larger move of machine_state: another machine (25%: the
@@ -52,15 +52,31 @@ def time_rounds(comm, calls: dict, reps: int, *, seed: int = 0, setup=None) -> d
     return {a: times[:, j] for j, a in enumerate(names)}
 
 
-def measure_all(comm, algorithms, nbytes: int, reps: int = 3, dtype=np.float32,
-                seed: int = 0) -> dict[str, float]:
-    """Median over reps interleaved rounds (time_rounds) of the slowest rank's seconds for
-    one public allreduce() of nbytes, per algorithm, after one warm-up call each."""
+def time_algorithms(comm, algorithms, nbytes: int, *, reps: int | None = None,
+                    seconds: float = 1.0, min_reps: int = 5, max_reps: int = 300,
+                    seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """{algorithm: the slowest rank's seconds per round} for one public allreduce() of
+    nbytes, in interleaved rounds (time_rounds) after one warm-up call each: reps rounds,
+    or (reps None) as many as a second, warm call of each says fit in `seconds`, within
+    [min_reps, max_reps], judged by the slowest rank so that every rank runs as many."""
     x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
     calls = {a: (lambda a=a: allreduce(x, algorithm=a, comm=comm)) for a in algorithms}
     for call in calls.values():
         call()                                           # warm-up: scratch, windows
-    times = time_rounds(comm, calls, reps, seed=seed, setup=lambda: x.fill(1))
+    if reps is None:                  # a second call each, warm, sets the count
+        t0 = time.perf_counter()
+        for call in calls.values():
+            x.fill(1)
+            call()
+        warm = comm.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        reps = max(min_reps, min(max_reps, int(seconds / max(warm, 1e-9))))
+    return time_rounds(comm, calls, reps, seed=seed, setup=lambda: x.fill(1))
+
+
+def measure_all(comm, algorithms, nbytes: int, reps: int = 3, dtype=np.float32,
+                seed: int = 0) -> dict[str, float]:
+    """Median over reps rounds of time_algorithms, per algorithm."""
+    times = time_algorithms(comm, algorithms, nbytes, reps=reps, seed=seed, dtype=dtype)
     return {a: float(np.median(t)) for a, t in times.items()}
 
 

@@ -3,12 +3,15 @@
     python -m mpidist.launcher -n 4 -- mpidist tune --out allreduce-table.json
     srun -n 64 mpidist tune --out table.json --sizes 4K,64K,1M,16M,256M
 
-At each size of the ladder the cost model shortlists the algorithms predicted within MARGIN
-of its best, plus the built-in rule's choice; the shortlist is timed in interleaved rounds
-(timing.measure_all: the same numbers on every rank) and the fastest wins the sizes up to
-the geometric middle to the next size. Rank 0 writes the table (select.FORMAT) with the
-timings as notes; an existing file keeps its other layouts. Point a job at it with
-[parallel] algorithm_table or env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
+At each size of the ladder, a screening pass times every algorithm (timing.time_algorithms:
+interleaved rounds, the same numbers on every rank, as many as fit in a time budget) and
+keeps two contenders: the built-in rule's pick (the incumbent) unless it is clearly behind,
+and the fastest other. Later passes over the ladder time the two alone, at other moments of
+a drifting machine; `decide` keeps the incumbent unless the challenger's worst pass beats
+the incumbent's by more than MIN_GAIN. A pick wins the sizes up to the geometric middle to
+the next size. Rank 0 writes the table (select.FORMAT) with the timings as notes; an
+existing file keeps its other layouts. Point a job at it with [parallel] algorithm_table or
+env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -18,43 +21,90 @@ import math
 import os
 import time
 
+import numpy as np
+
 from mpidist.collectives import select
 from mpidist.collectives.tuning import costmodel, timing
 from mpidist.comm import Communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
-__all__ = ["tune", "shortlist", "main", "DEFAULT_SIZES", "MARGIN", "SHORTLIST"]
+__all__ = ["tune", "shortlist", "contenders", "decide", "main", "DEFAULT_SIZES", "SECONDS",
+           "PASSES", "MIN_GAIN", "KEEP"]
 
-# up to the largest size `mpidist bench allreduce` measures by default, so that its every
-# size has a row measured for it rather than the last row's extrapolation
-DEFAULT_SIZES = "8,512,4K,32K,256K,1M,4M,16M,64M,256M"
-MARGIN = 3.0          # shortlist: predicted within this factor of the model's best
-SHORTLIST = 5         # at most this many candidates from the model (the rule's pick joins)
+# the sizes `mpidist bench allreduce` measures by default, so that each has its own row
+DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
+SECONDS = 2.0         # per size and pass: the time that sets the rounds (5 to 300)
+PASSES = 3            # the screening pass, then re-checks of the two contenders
+MIN_GAIN = 0.03       # a challenger's worst pass must beat the incumbent's by this
+KEEP = 1.25           # the rule's pick stays a contender when screened within this of the best
 
 
 def shortlist(model, comm, nbytes: int) -> list[str]:
-    """The candidates timed at nbytes: the model's best within MARGIN, then the rule's."""
-    predicted = sorted((model.predict(a, nbytes), k, a) for k, a in enumerate(model.candidates()))
-    best = predicted[0][0]
-    names = [a for t, _, a in predicted if t <= MARGIN * best or best <= 0][:SHORTLIST]
+    """The algorithms screened at nbytes: every one the model knows on this layout, in the
+    order of its predictions (a model probed on a busy machine may be far off), then the
+    rule's pick if the model lacks it."""
+    names = sorted(model.candidates(), key=lambda a: model.predict(a, nbytes))
     ruled = select.rule(comm, nbytes)
     return names + ([ruled] if ruled not in names else [])
 
 
-def tune(comm, model, sizes, reps: int = 5) -> dict:
-    """Collective: time the shortlist at every size; returns the table entry for comm's
-    layout (select.layout_of plus "sizes" rows and "measured" notes), the same on every rank."""
-    measured, rows = [], []
-    for k, nbytes in enumerate(sorted(sizes)):
-        if comm.size == 1:
-            names, times = ["native"], {"native": 0.0}
-        else:
-            names = shortlist(model, comm, nbytes)
-            times = timing.measure_all(comm, names, nbytes, reps, seed=k)
-        pick = min(names, key=lambda a: (times[a], names.index(a)))
-        measured.append({"bytes": nbytes, "pick": pick, "model": model.choose(nbytes),
-                         "rule": select.rule(comm, nbytes),
-                         "us": {a: round(t * 1e6, 1) for a, t in times.items()}})
+def contenders(screened: dict, ruled: str) -> tuple[str, str]:
+    """(incumbent, challenger) from the screening pass's {name: seconds per round}: the
+    rule's pick if its median is within KEEP of the best, else the best; and the fastest
+    other. With one algorithm screened, both are that one."""
+    medians = {a: float(np.median(t)) for a, t in screened.items()}
+    order = sorted(medians, key=lambda a: medians[a])
+    incumbent = ruled if ruled in medians and medians[ruled] <= KEEP * medians[order[0]] \
+        else order[0]
+    others = [a for a in order if a != incumbent]
+    return incumbent, others[0] if others else incumbent
+
+
+def decide(incumbent: str, challenger: str, ratios) -> str:
+    """The pick from the per-pass medians of the paired ratios challenger / incumbent (one
+    per pass, each the median over that pass's rounds of the two times taken in the same
+    round): the one whose worst pass is less behind the other, the incumbent unless the
+    challenger's worst pass is better by more than MIN_GAIN."""
+    behind_c = max(1.0, max(ratios))
+    behind_i = max(1.0, max(1.0 / r for r in ratios))
+    return challenger if behind_c * (1.0 + MIN_GAIN) < behind_i else incumbent
+
+
+def _paired(times: dict, incumbent: str, challenger: str) -> float:
+    return float(np.median(times[challenger] / times[incumbent]))
+
+
+def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
+         passes: int = PASSES) -> dict:
+    """Collective: screen and re-check at every size (reps rounds per size and pass, or as
+    many as fit in `seconds`); returns the table entry for comm's layout
+    (select.layout_of plus "sizes" rows and "measured" notes), the same on every rank."""
+    sizes = sorted(sizes)
+    budget = dict(reps=reps, seconds=seconds)
+    rules = [select.rule(comm, n) for n in sizes]
+    if comm.size == 1:
+        screens = [{"native": np.zeros(1)} for _ in sizes]
+    else:
+        # 1. screening: every algorithm, in the order of the model's predictions
+        screens = [timing.time_algorithms(comm, shortlist(model, comm, n), n, seed=k,
+                                          **budget) for k, n in enumerate(sizes)]
+    pairs = [contenders(s, r) for s, r in zip(screens, rules)]
+    ratios = [[_paired(s, *pair)] for s, pair in zip(screens, pairs)]
+    # 2. re-checks: the two contenders alone, one pass over the ladder at a time
+    for p in range(1, passes if comm.size > 1 else 1):
+        for k, (n, pair) in enumerate(zip(sizes, pairs)):
+            if pair[0] != pair[1]:
+                t = timing.time_algorithms(comm, list(pair), n, seed=p * len(sizes) + k,
+                                           **budget)
+                ratios[k].append(_paired(t, *pair))
+    measured = []
+    for n, s, r, pair, rule in zip(sizes, screens, ratios, pairs, rules):
+        measured.append({"bytes": n, "pick": decide(*pair, r), "model": model.choose(n),
+                         "rule": rule, "pair": list(pair),
+                         "ratios": [round(x, 3) for x in r],
+                         "us": {a: round(float(np.median(t)) * 1e6, 1) for a, t in s.items()},
+                         "rounds": len(next(iter(s.values())))})
+    rows = []
     for i, m in enumerate(measured):
         upto = None if i == len(measured) - 1 else \
             int(math.sqrt(m["bytes"] * measured[i + 1]["bytes"]))
@@ -100,7 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the table file to write (default allreduce-table.json)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES, type=parse_sizes,
                     help=f"the ladder of message sizes in bytes (default {DEFAULT_SIZES})")
-    ap.add_argument("--reps", type=int, default=5, help="timed rounds per size (default 5)")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed rounds per size and pass (default: as many as fit in "
+                         "--seconds, 5 to 300)")
+    ap.add_argument("--seconds", type=float, default=SECONDS,
+                    help=f"time per size and pass that sets the rounds (default {SECONDS})")
+    ap.add_argument("--passes", type=int, default=PASSES,
+                    help=f"the screening pass and the re-checks (default {PASSES})")
     ap.add_argument("--refit", action="store_true",
                     help="probe the cost model afresh (and cache it) instead of loading it")
     ap.add_argument("--probe-sizes", type=parse_sizes, default=None,
@@ -108,27 +164,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="simulate nodes of this many ranks (default: real topology)")
     args = ap.parse_args(argv)
-    if args.reps < 1 or not args.sizes or min(args.sizes) < 4:
-        ap.error("--reps must be >= 1 and every size >= 4 bytes")
+    if (args.reps is not None and args.reps < 1) or args.seconds <= 0 or args.passes < 1 \
+            or not args.sizes or min(args.sizes) < 4:
+        ap.error("--reps and --passes must be >= 1, --seconds > 0, every size >= 4 bytes")
     c = Communicator(ranks_per_node=args.ranks_per_node)
     t0 = time.perf_counter()
     if args.probe_sizes:
         model = costmodel.probe(c, sizes=args.probe_sizes)
     else:
         model = costmodel.get_model(c, refit=args.refit)
-    entry = tune(c, model, args.sizes, args.reps)
+    entry = tune(c, model, args.sizes, args.reps, args.seconds, args.passes)
     if c.rank == 0:
         made = {"by": "mpidist tune", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "mpi": mpi_library(), "seconds": round(time.perf_counter() - t0, 1),
-                "reps": args.reps}
+                "reps": args.reps, "seconds_per_pass": args.seconds, "passes": args.passes}
         write_table(args.out, entry, made)
         print(f"# {mpi_library()}; {c.describe()}")
-        print(f"{'size':>8} {'pick':>19} {'model':>19} {'rule':>12}  timed (us)")
+        print(f"{'size':>8} {'pick':>19} {'rule':>12} {'model':>19} {'rounds':>6}  "
+              f"challenger/incumbent per pass; screened (us)")
         for m in entry["measured"]:
             timed = ", ".join(f"{a} {t:.1f}" for a, t in sorted(m["us"].items(),
                                                                   key=lambda kv: kv[1]))
-            print(f"{format_size(m['bytes']):>8} {m['pick']:>19} {m['model']:>19} "
-                  f"{m['rule']:>12}  {timed}")
+            ratios = " ".join(f"{r:.2f}" for r in m["ratios"])
+            print(f"{format_size(m['bytes']):>8} {m['pick']:>19} {m['rule']:>12} "
+                  f"{m['model']:>19} {m['rounds']:>6}  {m['pair'][1]}/{m['pair'][0]} "
+                  f"{ratios}; {timed}")
         rows = ", ".join(f"{r['algorithm']} to {r['upto']}" if r["upto"] else
                          f"{r['algorithm']} beyond" for r in entry["sizes"])
         print(f"wrote {args.out}: {rows}", flush=True)
