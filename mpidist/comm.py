@@ -65,9 +65,8 @@ class Communicator:
 
     # the flight recorder's record of the calls made on this communicator (collectives.flight)
     flight_record = None
-    # the mismatch guard's vote buffer for its checks on this communicator (collectives.guard;
-    # a communicator's collectives come from one thread at a time, as MPI requires)
-    guard_votes = None
+    # the mismatch guard's ballot record on this communicator (collectives.ballot)
+    ballot = None
     # auto's plan for this communicator: its layout's row of the decision table (collectives.select)
     auto_plan = None
 

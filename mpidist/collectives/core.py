@@ -102,14 +102,16 @@ def _store(src, dst, widened: bool) -> None:
         dst[...] = src
 
 
-def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
+def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
+                      carry: bool = False):
     """Check the arguments on every rank together (mismatch guard included).
 
     Returns (comm, x, y, op, algorithm name, entry): x the flat input, y the flat output (x
     itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
     every rank holding the same table: the guard compares the resolved name too); entry is
     the call's flight record, which the caller ends (flight.end) once the reduction is
-    complete.
+    complete. carry: a small native allreduce may be done by the check itself
+    (guard.check_reduce); the name returned is then None, nothing is left to run.
     """
     c = as_communicator(comm)
     error, signature, name = None, None, algorithm
@@ -129,6 +131,9 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
                      ("algorithm", algorithm if name == algorithm else _AUTO[name]))
     except (TypeError, ValueError) as exc:
         error = exc
+    if carry and error is None and name == "native":
+        entry, reduced = guard.check_reduce(c, signature, error, x, y, opx)
+        return c, x, y, opx, None if reduced else name, entry
     entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry
 
@@ -169,9 +174,10 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
     place and returns buf; otherwise the result goes to out (same dtype and size) and out
     is returned.
     """
-    c, x, y, opx, name, entry = prepare_allreduce(comm, buf, op, algorithm, out)
+    c, x, y, opx, name, entry = prepare_allreduce(comm, buf, op, algorithm, out, carry=True)
     try:
-        run_allreduce(c, x, y, opx, name)
+        if name is not None:
+            run_allreduce(c, x, y, opx, name)
     finally:
         flight.end(entry)
     return buf if out is None else out

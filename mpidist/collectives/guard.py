@@ -2,27 +2,25 @@
 algorithm) before any data moves, and raise together, naming the ranks that differ, instead
 of hanging in mismatched messages.
 
-Every call is checked, by one two-word integer MPI_Allreduce (MAX) of the signature's digest
-d and -d: max(d) == -max(-d) exactly when every rank has the same d (a rank with an argument
-error votes a value no digest takes). Only a failed check exchanges the full signatures, to
-say who differs. Each checked call goes on the flight recorder (flight.py), whose watchdog
+Every call is checked, by one MPI_Allreduce of a ballot (ballot.py) holding the signature's
+digest d and -d under MAX: max(d) == -max(-d) exactly when every rank has the same d (a rank
+with an argument error votes a value no digest takes). A small host allreduce rides in the
+ballot itself (check_reduce), so its check costs no message of its own. Only a failed check
+exchanges the full signatures, to say who differs. Each checked call goes on the flight recorder (flight.py), whose watchdog
 ends a job whose call never finishes. Modes (env MPIDIST_GUARD or set_mode()): "on" (the
 default; "first" and "always" are older names of it) or "off" (no check, no record: a rank
 with a bad argument then raises alone). See docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 
-import array
 import hashlib
 import os
 
-from mpi4py import MPI
-
-from mpidist.collectives import flight
+from mpidist.collectives import ballot, flight
 from mpidist.collectives.flight import describe
 from mpidist.errors import MismatchError, RemoteError, format_ranks
 
-__all__ = ["MODES", "set_mode", "get_mode", "check", "describe"]
+__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "describe"]
 
 MODES = ("on", "off")
 _ALIASES = {"1": "on", "0": "off", "first": "on", "always": "on"}
@@ -77,18 +75,34 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
             raise error
         return entry
     d = _ERROR if error is not None else _digests.get(signature) or _digest(signature)
-    votes = comm.guard_votes
-    if votes is None:
-        votes = comm.guard_votes = array.array("q", (0, 0))
-    votes[0], votes[1] = d, -d
     try:
-        comm.comm.Allreduce(MPI.IN_PLACE, votes, MPI.MAX)
-        if votes[0] != -votes[1] or error is not None:
+        if not (comm.ballot or ballot.of(comm)).vote(d) or error is not None:
             _explain(comm, signature, error)
     except BaseException:
         flight.end(entry)
         raise
     return entry
+
+
+def check_reduce(comm, signature: tuple | None, error, x, y, op):
+    """check() for an allreduce of x into y by op, which also reduces it in the same message
+    when it is small enough (Ballot.vote_reduce). Returns (entry, reduced): when not reduced
+    (the guard is off, an error, or x too large) the caller runs the allreduce itself."""
+    if error is not None or comm.size == 1 or (_state["mode"] or get_mode()) == "off":
+        return check(comm, signature, error), False
+    entry = flight.begin(comm, signature)
+    try:
+        agreed = (comm.ballot or ballot.of(comm)).vote_reduce(
+            _digests.get(signature) or _digest(signature), x, y, op)
+        if agreed is None:
+            flight.end(entry)
+            return check(comm, signature), False
+        if not agreed:
+            _explain(comm, signature, None)
+    except BaseException:
+        flight.end(entry)
+        raise
+    return entry, True
 
 
 def _explain(comm, signature, error) -> None:

@@ -1,0 +1,234 @@
+"""The guard's ballot: one fixed-size MPI_Allreduce record that carries a call's signature
+digest and, for a small host allreduce, the data itself.
+
+A check of its own costs a message round trip per collective, about what a small
+MPI_Allreduce costs. So the record is [d, -d, meta, flag | payload of CARRY bytes], reduced
+by one user-defined MPI op (a Numba C callback): the header by MAX, and the payload by the
+call's op when both sides' headers agree, so a small native allreduce and its check are a
+single message. After the reduction max(d) == -max(-d) and flag == 0 exactly when every
+rank voted the same digest and metadata (n, dtype, op): the guard's agreement test.
+
+Every ballot has the same size, carried data or not, so ranks that disagree on whether
+they carry (one rank's call is just above CARRY) still exchange matching MPI messages and
+learn that they differ. Filling the record, MPI_Allreduce and the check run in one compiled
+function that calls the MPI library's C entry point, since at a few microseconds per call
+each Python-level step counts. Where ctypes cannot reach the MPI library's functions
+(MPI_Op_create, MPI_Allreduce), the ballot is the two words [d, -d] reduced by MPI_MAX
+through mpi4py and carries nothing; every process of one job loads the same library, so
+all ranks use the same form.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+from llvmlite import ir
+from mpi4py import MPI
+from numba import carray, cfunc, njit, types
+from numba.extending import intrinsic
+
+__all__ = ["CARRY", "Ballot", "of"]
+
+CARRY = 1024                    # payload bytes: allreduces up to this size ride in the ballot
+_HEADER = 4                     # int64 words: d, -d, meta, flag
+_RECORD = 8 * _HEADER + CARRY
+# meta = n << 8 | dtype << 4 | op, the payload's description (op 0: no payload)
+_DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2,
+           np.dtype(np.int32): 3, np.dtype(np.int64): 4}
+_OPS = {"sum": 1, "avg": 1, "min": 2, "max": 3, "prod": 4}
+_HANDLES = 8 * 5                # Ballot.state's first bytes: the MPI handles _cast calls with
+_NOTHING = np.zeros(0, np.uint8)
+
+
+# -- the MPI op: header by MAX, payload by the call's op --------------------------------------
+
+@njit(cache=True)
+def _reduce(x, y, start, n, op):
+    """y[start:start+n] = y OP x, as MPI's predefined ops do (inout = inout OP in)."""
+    for i in range(start, start + n):
+        if op == 1:
+            y[i] += x[i]
+        elif op == 2:
+            if not y[i] < x[i]:
+                y[i] = x[i]
+        elif op == 3:
+            if not y[i] > x[i]:
+                y[i] = x[i]
+        else:
+            y[i] *= x[i]
+
+
+@cfunc(types.void(types.voidptr, types.voidptr, types.CPointer(types.int32), types.voidptr),
+       cache=True)
+def _combine(invec, inoutvec, count, datatype):
+    """The MPI user function over one record (a ballot is always sent as count 1)."""
+    a = carray(invec, (_HEADER,), np.int64)
+    b = carray(inoutvec, (_HEADER,), np.int64)
+    agree = a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[3] == 0 and b[3] == 0
+    if a[0] > b[0]:
+        b[0] = a[0]
+    if a[1] > b[1]:
+        b[1] = a[1]
+    if not agree:
+        b[3] = 1
+        return
+    meta = b[2]
+    op, dtype, n = meta & 15, (meta >> 4) & 15, meta >> 8
+    if op == 0:
+        return
+    if dtype == 1:
+        _reduce(carray(invec, (_RECORD // 4,), np.float32),
+                carray(inoutvec, (_RECORD // 4,), np.float32), 8 * _HEADER // 4, n, op)
+    elif dtype == 2:
+        _reduce(carray(invec, (_RECORD // 8,), np.float64),
+                carray(inoutvec, (_RECORD // 8,), np.float64), _HEADER, n, op)
+    elif dtype == 3:
+        _reduce(carray(invec, (_RECORD // 4,), np.int32),
+                carray(inoutvec, (_RECORD // 4,), np.int32), 8 * _HEADER // 4, n, op)
+    else:
+        _reduce(carray(invec, (_RECORD // 8,), np.int64),
+                carray(inoutvec, (_RECORD // 8,), np.int64), _HEADER, n, op)
+
+
+# -- one compiled call: fill the record, MPI_Allreduce, check, copy the result out -----------
+
+@intrinsic
+def _call_allreduce(typingctx, fn, sendbuf, recvbuf, count, datatype, op, comm):
+    """MPI_Allreduce through its C address fn; every argument a machine word (MPI handles
+    are pointers or ints, passed in a register either way)."""
+    sig = types.int32(types.intp, types.intp, types.intp, types.int32, types.intp,
+                      types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        word = ir.IntType(64)
+        fnty = ir.FunctionType(ir.IntType(32), [word, word, ir.IntType(32), word, word, word])
+        target = builder.inttoptr(args[0], fnty.as_pointer())
+        return builder.call(target, args[1:])
+    return sig, codegen
+
+
+@njit(cache=True)
+def _cast(ballot, x, y, digest, meta):
+    """Vote digest with x as payload (meta describes it) through ballot (Ballot.state); on
+    agreement copy the reduced payload into y. Returns 0 (agreed), -1 (ranks differ) or
+    MPI's error code."""
+    handles = ballot[:_HANDLES].view(np.int64)
+    record = ballot[_HANDLES:]
+    header = record[:8 * _HEADER].view(np.int64)
+    body = record[8 * _HEADER:]
+    xb = x.view(np.uint8)
+    for i in range(xb.size):
+        body[i] = xb[i]
+    header[0] = digest
+    header[1] = -digest
+    header[2] = meta
+    header[3] = 0
+    rc = _call_allreduce(handles[0], handles[1], record.ctypes.data, np.int32(1), handles[2],
+                         handles[3], handles[4])
+    if rc != 0:
+        return rc
+    if header[0] != -header[1] or header[3] != 0:
+        return -1
+    yb = y.view(np.uint8)
+    for i in range(yb.size):
+        yb[i] = body[i]
+    return 0
+
+
+# -- reaching the MPI library ----------------------------------------------------------------
+
+def _libmpi_function(name: str):
+    """The MPI library's C function `name`, as ctypes finds it in this process, or None."""
+    candidates = [None]
+    try:
+        with open("/proc/self/maps") as maps:
+            candidates += sorted({line.split()[-1] for line in maps
+                                  if os.path.basename(line.split()[-1]).startswith("libmpi")})
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            fn = getattr(ctypes.CDLL(path), name, None)
+        except OSError:
+            continue
+        if fn is not None:
+            return fn
+    return None
+
+
+def _make_op():
+    """(MPI_Allreduce's address, MPI.Op of _combine, record datatype), or None where the MPI
+    library's functions are out of ctypes' reach (or MPIDIST_BALLOT=plain)."""
+    create, allreduce = _libmpi_function("MPI_Op_create"), _libmpi_function("MPI_Allreduce")
+    if create is None or allreduce is None or os.environ.get("MPIDIST_BALLOT") == "plain":
+        return None
+    handle_type = ctypes.c_void_p if MPI._sizeof(MPI.Op) == ctypes.sizeof(ctypes.c_void_p) \
+        else ctypes.c_int
+    handle = handle_type()
+    create.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(handle_type)]
+    if create(ctypes.c_void_p(_combine.address), 1, ctypes.byref(handle)) != 0:
+        return None
+    address = ctypes.cast(allreduce, ctypes.c_void_p).value
+    return address, MPI.Op.fromhandle(handle.value), MPI.BYTE.Create_contiguous(_RECORD).Commit()
+
+
+_shared: dict = {}              # "made": _make_op()'s result, made on first use
+
+
+class Ballot:
+    """One communicator's ballot (a communicator's collectives come from one thread at a
+    time, as MPI requires). state: the MPI handles _cast needs (MPI_Allreduce's address,
+    MPI_IN_PLACE, the record's datatype, the op, the communicator), then the record."""
+
+    def __init__(self, comm):
+        if "made" not in _shared:
+            _shared["made"] = _make_op()
+        made = _shared["made"]
+        self.comm, self.size = comm.comm, comm.size
+        if made is None:                         # the plain form: two words, MPI_MAX
+            self.state, self.capacity = None, 0
+            self.votes = np.zeros(2, np.int64)
+            return
+        address, op, rtype = made
+        self.state, self.capacity = np.zeros(_HANDLES + _RECORD, np.uint8), CARRY
+        self.state[:_HANDLES].view(np.int64)[:] = (
+            address, int(MPI.IN_PLACE), MPI._handleof(rtype), MPI._handleof(op),
+            MPI._handleof(self.comm))
+
+    def vote(self, digest: int) -> bool:
+        """Collective: True when every rank voted the same digest."""
+        if self.state is None:
+            v = self.votes
+            v[0], v[1] = digest, -digest
+            self.comm.Allreduce(MPI.IN_PLACE, v, MPI.MAX)
+            return v[0] == -v[1]
+        rc = _cast(self.state, _NOTHING, _NOTHING, digest, 0)
+        if rc > 0:
+            raise MPI.Exception(rc)
+        return rc == 0
+
+    def vote_reduce(self, digest: int, x, y, op):
+        """vote(), also reducing host array x into y by op: True or False as vote(), with the
+        result in y when True; None (nothing sent) when x can not ride in the ballot, where
+        the caller votes and reduces apart."""
+        code = _DTYPES.get(x.dtype)
+        if (code is None or x.nbytes > self.capacity or type(x) is not np.ndarray
+                or type(y) is not np.ndarray):
+            return None
+        rc = _cast(self.state, x, y, digest, x.size << 8 | code << 4 | _OPS[op.name])
+        if rc:
+            if rc > 0:
+                raise MPI.Exception(rc)
+            return False
+        if op.average:
+            op.finalize(y, self.size)
+        return True
+
+
+def of(comm) -> Ballot:
+    """comm's ballot (made on first use)."""
+    b = comm.ballot
+    if b is None:
+        b = comm.ballot = Ballot(comm)
+    return b

@@ -1,0 +1,97 @@
+"""The guard's ballot: a small native allreduce rides in the check's own message and gives
+MPI_Allreduce's result; the two-word form (no user op) checks as well; mismatches across
+the carried size are caught."""
+import time
+
+import numpy as np
+import pytest
+
+from .collectives_data import DTYPES, MPI_OPS, close, make, references
+from mpidist.collectives import allgather, allreduce, ballot, core, guard
+from mpidist.comm import Communicator
+from mpidist.errors import MismatchError
+
+SMALL = (1, 3, 255, 256)          # up to 1 KiB of float32: inside the ballot
+
+
+@pytest.fixture(params=["carried", "plain"])
+def ballot_comm(request, comm, monkeypatch):
+    """comm's ranks on a fresh communicator, whose ballot carries data ("carried") or is
+    the two-word MPI_MAX vote ("plain", as where ctypes can not reach the MPI library)."""
+    if request.param == "plain":
+        monkeypatch.setitem(ballot._shared, "made", None)
+    c = Communicator(comm.comm)
+    yield c
+    c.free()
+
+
+def _grid(comm):
+    cases = []
+    for dt in DTYPES:
+        for op in MPI_OPS:
+            for n in SMALL:
+                cases.append((dt, op, n, make(comm.rank, dt, op, n, len(cases))))
+    return cases
+
+
+def test_small_allreduce_with_the_guard_on_equals_mpi(ballot_comm):
+    comm = ballot_comm
+    cases = _grid(comm)
+    refs = references(comm, cases)
+    bad = []
+    for (dt, op, n, x), ref in zip(cases, refs):
+        before = x.copy()
+        got_out = allreduce(x, op=op, algorithm="native", comm=comm, out=np.full_like(x, 99))
+        got_in = allreduce(x.copy(), op=op, algorithm="native", comm=comm)
+        for how, got in (("out", got_out), ("in-place", got_in)):
+            if got.dtype != dt or not close(got, ref):
+                bad.append(f"{dt} {op} n={n} {how}")
+        if not np.array_equal(x, before):
+            bad.append(f"{dt} {op} n={n}: the input changed")
+    assert not bad, f"{len(bad)} wrong cases, e.g. {bad[:5]}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_allreduce_is_one_message(comm, monkeypatch):
+    """With the guard on, a small native allreduce is done by the check itself: the
+    algorithm is never run apart."""
+    def not_called(*args):
+        raise AssertionError("the allreduce ran apart from the check")
+    monkeypatch.setattr(core, "run_allreduce", not_called)
+    x = np.arange(256, dtype=np.float32)
+    assert np.array_equal(allreduce(x, algorithm="native", comm=comm),
+                          np.arange(256, dtype=np.float32) * comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mine,theirs", [(256, 257), (257, 256), (2, 3), (300, 301)])
+def test_lengths_across_the_carried_size_raise_everywhere(ballot_comm, mine, theirs):
+    """One rank's call rides in the ballot, the last rank's does not (or both, or neither)."""
+    comm = ballot_comm
+    allreduce(np.ones(mine, np.float32), algorithm="native", comm=comm)
+    n = theirs if comm.rank == comm.size - 1 else mine
+    t0 = time.perf_counter()
+    with pytest.raises(MismatchError, match=f"n={mine}.*n={theirs}|n={theirs}.*n={mine}"):
+        allreduce(np.ones(n, np.float32), algorithm="native", comm=comm)
+    assert time.perf_counter() - t0 < 2.0
+    assert allreduce(np.ones(4), algorithm="native", comm=comm)[0] == comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_carried_call_against_another_collective(ballot_comm):
+    """A rank in a small allreduce, the last rank in a vote-only check of another kind."""
+    comm = ballot_comm
+    with pytest.raises(MismatchError, match="allgather"):
+        if comm.rank == comm.size - 1:
+            allgather(np.ones(2, np.float32), comm=comm)
+        else:
+            allreduce(np.ones(2, np.float32), algorithm="native", comm=comm)
+
+
+def test_guard_off_still_reduces(comm):
+    old = guard.get_mode()
+    guard.set_mode("off")
+    try:
+        assert allreduce(np.ones(5), algorithm="native", comm=comm)[0] == comm.size
+    finally:
+        guard.set_mode(old)
