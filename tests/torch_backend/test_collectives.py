@@ -89,6 +89,27 @@ def test_all_reduce_async_work_and_future():
     assert torch.equal(fut.wait()[0], ref) and torch.equal(t, ref)
 
 
+def test_all_reduce_async_before_a_message_it_waits_for():
+    """Rank 1 calls an allreduce only after a message that rank 0 sends after starting its
+    own asynchronously: rank 0's call must not keep its thread (a window allreduce begun on
+    the calling thread hands the rest to the worker)."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    n = 50_000
+    ref = _reduced(_data(n, torch.float32), None)      # the window has room for it now
+    t, box = _data(n, torch.float32), torch.zeros(1)
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        dist.send(torch.ones(1), 1)
+        work.wait()
+    else:
+        if rank == 1:
+            dist.recv(box, 0)
+        dist.all_reduce(t)
+    assert torch.equal(t, ref) and (rank != 1 or box.item() == 1.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce_coalesced(dtype):
     def run(group):

@@ -6,7 +6,9 @@ once; the collective runs on the group's worker thread, in call order (the same 
 rank), and ends with done(None) or done("Error: message"), which completes the Work and its
 future. Reductions use mpidist's algorithms (the group's `algorithm`, "auto" by default);
 on one node, float32/float64 allreduces ("auto" or "shm": DDP's buckets) are reduced in the
-group's shared window (node.py) with no MPI call. Data movement is in moves.py. Point-to-point
+group's shared window (node.py) with no MPI call; with nothing queued ahead, such a one starts
+on the calling thread and ends there when every rank has called within a short wait (else on
+the worker: _begin_here). Data movement is in moves.py. Point-to-point
 messages go on a duplicate communicator, are posted when torch calls send/recv, and complete
 on a second thread, so an exchange where both ranks send first cannot deadlock.
 
@@ -17,6 +19,7 @@ Work.wait()) instead of hanging.
 from __future__ import annotations
 
 import contextlib
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -37,6 +40,7 @@ __all__ = ["Group"]
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
             "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
 _WINDOW_ALGORITHMS = ("auto", "shm")      # those whose allreduce the window does on a node
+_PATIENCE = 0.02      # seconds an allreduce begun on the caller's thread waits there for the others
 
 
 def _op_route(op: str, dtype: np.dtype) -> str:
@@ -73,12 +77,15 @@ class Group(Movement):
         self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch-p2p") \
             if threaded else None
         self._node = Node(comm) if shm.usable(comm) else None   # ranks sharing one node
+        self._lock = threading.Lock()
+        self._queued = 0                        # collectives on the worker, not yet done
 
     # ------------------------------------------------------------------ machinery
     def _submit(self, done, fn, *args, pool=None) -> None:
         ready = cuda.ready_event(args)          # CUDA tensors: after torch's queued work
 
         def job():
+            error = None
             try:
                 if ready is None:
                     fn(*args)
@@ -86,14 +93,20 @@ class Group(Movement):
                     ready.synchronize()
                     self._on_device(fn, args)
             except BaseException as exc:        # delivered by Work.wait() on this rank
-                done(f"{type(exc).__name__}: {exc}")
-            else:
-                done(None)
+                error = f"{type(exc).__name__}: {exc}"
+            if queued:                          # before done: a wait()er may call again
+                with self._lock:
+                    self._queued -= 1
+            done(error)
         pool = pool or self._pool
+        queued = pool is self._pool and pool is not None
         if pool is None:
             job()
-        else:
-            pool.submit(job)
+            return
+        if queued:
+            with self._lock:
+                self._queued += 1
+        pool.submit(job)
 
     def _on_device(self, fn, args) -> None:
         """fn(*args) with CUDA tensors: float32/float64 allreduces on mpidist's device path,
@@ -154,9 +167,11 @@ class Group(Movement):
         self.comm.free()
 
     # ------------------------------------------------------------------ reductions
-    def _reduce(self, op: str, factor, t: torch.Tensor, out=None) -> None:
-        """Reduce t over the group, in place (or into out, a NumPy array like t's view)."""
-        route, error, signature = None, None, None
+    def _plan(self, op: str, factor, t: torch.Tensor):
+        """(x, op, scale, route, signature, error) of reducing t: its NumPy view, the op with
+        PREMUL_SUM as SUM after a scale, mpidist's or MPI's reduction, the guard's signature,
+        and the argument error to raise on every rank (or None)."""
+        x, route, error, signature, scale = None, None, None, None, None
         try:
             x = numpy_view(t)
             route = _op_route("sum" if op == "premul_sum" else op, x.dtype)
@@ -164,11 +179,20 @@ class Group(Movement):
                          ("op", op), ("algorithm", self.algorithm))
         except (TypeError, ValueError) as exc:
             error = exc
-        scale = None
         if op == "premul_sum" and error is None:
             scale, op = float(factor), "sum"
-        if (error is None and self._node is not None and route == "mpidist"
-                and x.dtype in DTYPES and self.algorithm in _WINDOW_ALGORITHMS):
+        return x, op, scale, route, signature, error
+
+    def _in_window(self, plan) -> bool:
+        x, _, _, route, _, error = plan
+        return (error is None and self._node is not None and route == "mpidist"
+                and x.dtype in DTYPES and self.algorithm in _WINDOW_ALGORITHMS)
+
+    def _reduce(self, op: str, factor, t: torch.Tensor, out=None) -> None:
+        """Reduce t over the group, in place (or into out, a NumPy array like t's view)."""
+        plan = self._plan(op, factor, t)
+        x, op, scale, route, signature, error = plan
+        if self._in_window(plan):
             self._node.allreduce(x, x if out is None else out, get_op(op), signature, scale)
             return
         with self._guarded(signature, error):
@@ -182,7 +206,36 @@ class Group(Movement):
                                          x if out is None else out, _MPI_OPS[op])
 
     def allreduce(self, done, op, factor, tensors) -> None:
-        self._submit(done, self._allreduce, op, factor, list(tensors))
+        tensors = list(tensors)
+        if len(tensors) == 1 and self._begin_here(done, op, factor, tensors[0]):
+            return
+        self._submit(done, self._allreduce, op, factor, tensors)
+
+    def _begin_here(self, done, op, factor, t) -> bool:
+        """An allreduce in the node's window, started on the calling thread when nothing is
+        queued ahead of it: publish, then, if every rank has called within _PATIENCE, the
+        rest here too; else the rest goes to the worker (so a caller never waits long for a
+        rank that calls later, e.g. after a message from this one). Whether it started.
+
+        Why: with a core per rank, the worker only takes turns with the caller's backward on
+        one core; done here, the bucket costs no thread hand-offs and switches."""
+        if self._pool is None or self._queued or t.device.type != "cpu":
+            return False
+        plan = self._plan(op, factor, t)
+        if not self._in_window(plan) or not self._node.fits(plan[0]):
+            return False
+        x, op, scale, _, signature, _ = plan
+        try:
+            call = self._node.begin(x, x, get_op(op), signature, scale)
+            if not self._node.ready(call, _PATIENCE):
+                self._submit(done, self._node.finish, call)
+                return True
+            self._node.finish(call)
+        except BaseException as exc:            # delivered by Work.wait() on this rank
+            done(f"{type(exc).__name__}: {exc}")
+        else:
+            done(None)
+        return True
 
     def _allreduce(self, op, factor, tensors) -> None:
         for t in tensors:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -30,6 +31,22 @@ _SPINS = 64           # polls before the waiting thread starts sleeping between 
 _NAP_MAX = 200e-6     # the longest sleep between polls (seconds)
 
 
+class _Call(NamedTuple):
+    """An allreduce between begin and finish."""
+    x: np.ndarray
+    y: np.ndarray
+    own: np.ndarray                 # my input as reduced: x, or my slice when scaled
+    op: object
+    signature: tuple
+    entry: list                     # the flight recorder's
+    part: list
+    counts: np.ndarray
+    displs: np.ndarray
+    seq: int                        # the first barrier's
+    slot: int
+    digest: int
+
+
 def _digest(signature) -> int:
     raw = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     return int.from_bytes(raw, "little") >> 2
@@ -37,7 +54,7 @@ def _digest(signature) -> int:
 
 class Node:
     """The window of one process group whose ranks share a node (collective construction;
-    used by one thread at a time, the group's worker).
+    used by one thread at a time: the caller's or the group's worker).
 
     check(signature, error) is a barrier: each rank writes the digest of its call's
     signature (a rank with an argument error writes one no signature takes), raises its
@@ -45,14 +62,16 @@ class Node:
     rank sees it and guard.check exchanges the full signatures to raise, naming who differs.
 
     allreduce(x, y, op, signature) of n elements:
-    1. publish: my input into my slice of the window (the region of this call's parity);
-       barrier with the digest (the guard);
-    2. reduce: my chunk, chunk(n, rank, size), over every rank's slice in rank order, block
-       by block, into my own slice and into y;
+    1. publish: my input into my slice of the window (the region of this call's parity),
+       but for my own chunk, chunk(n, rank, size), which only I read; barrier with the
+       digest (the guard);
+    2. reduce: my chunk over every rank's input in rank order (mine from x, the others'
+       from their slices), block by block, into my own slice and into y;
     3. gather: barrier; every other rank's reduced chunk out of its slice into y.
     Calls alternate between two regions of the window: a rank writes a region again only
     after the barrier of the call in between, which every rank passes after its step 3 of
-    the call before; so two barriers per call.
+    the call before; so two barriers per call. begin (step 1) and finish (the rest) split
+    the call where the caller would wait for a rank that has not called yet.
     """
 
     def __init__(self, comm):
@@ -72,6 +91,13 @@ class Node:
     # ------------------------------------------------------------------ the guard
     def _barrier(self, digest: int | None = None) -> bool:
         """Wait for every rank; with a digest, whether every rank wrote the same one."""
+        slot = self._arrive(digest)
+        self._await(self._seq)
+        return self._agreed(slot, digest)
+
+    def _arrive(self, digest: int | None) -> int:
+        """My side of a barrier: the digest in this barrier's slot, then my counter raised.
+        Returns the slot."""
         self._seq += 1
         mine = self._lines[self.rank]
         slot = 1 + self._seq % 2                         # a rank two barriers ahead is
@@ -79,13 +105,25 @@ class Node:
             mine[slot] = digest
         self._head.Sync()
         mine[0] = self._seq
+        return slot
+
+    def _await(self, seq: int, patience: float | None = None) -> bool:
+        """Whether every rank has arrived at barrier seq, waiting at most `patience` seconds
+        (None: until they have): a few polls, then sleeps that leave the core."""
+        deadline = None if patience is None else time.perf_counter() + patience
         for line in self._lines:
             polls, nap = 0, 20e-6
-            while line[0] < self._seq:
+            while line[0] < seq:
                 polls += 1
                 if polls > _SPINS:                       # back off: leave the core
+                    if deadline is not None and time.perf_counter() > deadline:
+                        return False
                     time.sleep(nap)
                     nap = min(2 * nap, _NAP_MAX)
+        return True
+
+    def _agreed(self, slot: int, digest: int | None) -> bool:
+        """After every rank arrived: whether they all wrote my digest in the slot."""
         self._head.Sync()
         return digest is None or all(line[slot] == digest for line in self._lines)
 
@@ -138,47 +176,82 @@ class Node:
         at = self._parity * self._capacity
         return [s[at:at + nbytes].view(dtype) for s in self._slices]
 
+    def fits(self, x: np.ndarray) -> bool:
+        """Whether x's allreduce needs no growth of the window (so no extra barrier)."""
+        return x.nbytes <= self._capacity
+
     def allreduce(self, x: np.ndarray, y: np.ndarray, op, signature, scale=None) -> None:
         """y = x (times scale, if given) reduced with op (an mpidist Op) over the ranks;
         y may be x. Float32 or float64; collective, guarded by `signature`."""
-        if x.nbytes > self._capacity:
+        if not self.fits(x):
             flight.end(self.check(signature))
+        self.finish(self.begin(x, y, op, signature, scale))
+
+    def begin(self, x: np.ndarray, y: np.ndarray, op, signature, scale=None) -> _Call:
+        """Step 1 of allreduce, without waiting: publish x and arrive at the first barrier.
+        The window must fit x (fits). finish(call) does the rest; ready(call) says whether
+        every rank has arrived, so finish would not wait for a rank that has not called."""
         entry = flight.begin(self.comm, signature)
         try:
             part = self._regions(x.size, x.dtype)
-            mine = part[self.rank]
-            # 1. publish my input; every rank's is there and the signatures agree
-            if scale is None:
-                mine[...] = x
-            else:
-                np.multiply(x, scale, out=mine)
-            if not self._barrier(self._vote(signature, None)):
-                self._disagree(signature, None)
-            # 2. my chunk over every slice, in rank order, into my slice and y
             counts, displs = counts_displs(x.size, self.size)
+            lo, hi = displs[self.rank], displs[self.rank] + counts[self.rank]
+            mine = part[self.rank]
+            # 1. publish my input (my own chunk stays in x: only I reduce it)
+            if scale is None:
+                own = x
+                mine[:lo] = x[:lo]
+                mine[hi:] = x[hi:]
+            else:
+                own = mine
+                np.multiply(x, scale, out=mine)
+            digest = self._vote(signature, None)
+            slot = self._arrive(digest)
+        except BaseException:
+            flight.end(entry)
+            raise
+        return _Call(x, y, own, op, signature, entry, part, counts, displs, self._seq, slot,
+                     digest)
+
+    def ready(self, call: _Call, patience: float) -> bool:
+        """Whether every rank has called (arrived at call's first barrier), waiting at most
+        `patience` seconds."""
+        return self._await(call.seq, patience)
+
+    def finish(self, call: _Call) -> None:
+        """Steps 2 and 3 of allreduce: wait for every rank, reduce my chunk, gather."""
+        try:
+            self._await(call.seq)
+            # every rank's input is there; the signatures agree
+            if not self._agreed(call.slot, call.digest):
+                self._disagree(call.signature, None)
+            # 2. my chunk over every rank's input, in rank order, into my slice and y
+            counts, displs, part, y = call.counts, call.displs, call.part, call.y
             lo = displs[self.rank]
-            self._reduce_chunk(part, lo, lo + counts[self.rank], op, y)
+            self._reduce_chunk(part, call.own, lo, lo + counts[self.rank], call.op, y)
             # 3. the others' reduced chunks
             self._barrier()
             for j in range(self.size):
                 if j != self.rank:
                     y[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
         finally:
-            flight.end(entry)
+            flight.end(call.entry)
 
-    def _reduce_chunk(self, part, lo: int, hi: int, op, y) -> None:
-        """part[rank][lo:hi] = op over part[0..size-1][lo:hi] (finalized), also into y, one
-        cache-sized block at a time."""
+    def _reduce_chunk(self, part, own, lo: int, hi: int, op, y) -> None:
+        """part[rank][lo:hi] = op over every rank's [lo:hi] in rank order (finalized; my own
+        input is `own`, the others' are their slices), also into y, one cache-sized block at a
+        time."""
         mine, p = part[self.rank], self.size
+        src = [own if k == self.rank else part[k] for k in range(p)]
         block = max(1, _BLOCK_BYTES // mine.dtype.itemsize)
         acc = np.empty(min(block, max(hi - lo, 1)), mine.dtype) if p > 2 else None
         for a in range(lo, hi, block):
             b = min(a + block, hi)
             out = mine[a:b]
             t = acc[:b - a] if p > 2 else out
-            op.ufunc(part[0][a:b], part[1][a:b], out=t)
+            op.ufunc(src[0][a:b], src[1][a:b], out=t)
             for k in range(2, p):
-                op.ufunc(t, part[k][a:b], out=t if k < p - 1 else out)
+                op.ufunc(t, src[k][a:b], out=t if k < p - 1 else out)
             op.finalize(out, p)
             y[a:b] = out
 
