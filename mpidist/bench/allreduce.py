@@ -39,7 +39,7 @@ from mpidist.sizes import format_size, parse_sizes
 __all__ = ["main", "textbook_ring"]
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
-MIN_ROUNDS = 3
+MIN_ROUNDS = 9
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(ml_dtypes.bfloat16), "float64": np.dtype(np.float64),
           "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
@@ -72,7 +72,7 @@ def _parse(argv):
     p.add_argument("--algorithms", default=",".join(every),
                    help=f"algorithms to run (default: {','.join(every)})")
     p.add_argument("--reps", type=int, default=400,
-                   help="timed rounds per size at most (fewer for large sizes, at least 3)")
+                   help="timed rounds per size at most (fewer for large sizes, at least 9)")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="time budget per point (size x algorithm), which caps the rounds")
     p.add_argument("--seed", type=int, default=0,

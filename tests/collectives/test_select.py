@@ -163,8 +163,8 @@ def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     assert comm.comm.allgather(picks) == [picks] * comm.size      # the same on every rank
     for m in entry["measured"]:
         assert m["pick"] in m["us"] and m["rule"] in m["us"]     # the rule's pick is timed
-        assert m["pick"] in m["pair"] and len(m["ratios"]) == \
-            (1 if comm.size == 1 or m["pair"][0] == m["pair"][1] else tune.PASSES)
+        assert m["pick"] in m["behind"] and all(
+            len(b) == (1 if comm.size == 1 else tune.PASSES) for b in m["behind"].values())
     other = {"ranks": comm.size + 1, "nodes": 1, "ranks_per_node": comm.size + 1,
              "sizes": [{"upto": None, "algorithm": "tree"}]}
     if comm.rank == 0:
@@ -193,21 +193,24 @@ def test_the_tune_ladder_is_the_benchmark_sizes():
 
 def test_contenders_keep_the_rules_pick_unless_it_is_clearly_behind():
     screened = {"native": np.array([1.0, 1.1]), "shm": np.array([1.1, 1.2]),
-                "tree": np.array([2.0, 2.0])}
-    assert tune.contenders(screened, "shm") == ("shm", "native")
-    assert tune.contenders(screened, "tree") == ("native", "shm")
-    assert tune.contenders({"native": np.ones(3)}, "native") == ("native", "native")
+                "tree": np.array([2.0, 2.0]), "ring": np.array([3.0, 3.0])}
+    assert tune.contenders(screened, "shm") == ["shm", "native", "tree"]
+    assert tune.contenders(screened, "ring") == ["native", "shm", "tree"]
+    assert tune.contenders({"native": np.ones(3)}, "native") == ["native"]
 
 
-@pytest.mark.parametrize("ratios, pick", [
-    ([0.99, 0.98, 0.99], "incumbent"),       # a win smaller than MIN_GAIN
-    ([0.80, 0.85, 0.90], "challenger"),      # wins every pass
-    ([0.80, 1.02, 0.85], "challenger"),      # loses one pass by less than it wins the others
-    ([0.90, 1.20, 0.90], "incumbent"),       # loses one pass by more
-    ([1.10, 1.05, 1.20], "incumbent")])
-def test_decide_keeps_the_incumbent_unless_the_challengers_worst_pass_is_better(ratios,
-                                                                                 pick):
-    assert tune.decide("incumbent", "challenger", ratios) == pick
+def test_behind_pairs_each_round_with_the_fastest():
+    times = {"a": np.array([1.0, 2.0, 1.0]), "b": np.array([1.1, 2.2, 0.9])}
+    assert tune.behind(times, ["a", "b"]) == {"a": 1.0, "b": pytest.approx(1.1)}
+
+
+@pytest.mark.parametrize("worst, pick", [
+    ({"rule": 1.02, "x": 1.0}, "rule"),                  # a gain smaller than MIN_GAIN
+    ({"rule": 1.20, "x": 1.0, "y": 1.05}, "x"),          # never far behind
+    ({"rule": 1.20, "x": 1.15, "y": 1.08}, "y"),         # the least behind in its worst pass
+    ({"rule": 1.0, "x": 1.0}, "rule")])
+def test_decide_keeps_the_incumbent_unless_another_is_less_behind(worst, pick):
+    assert tune.decide(worst, "rule") == pick
 
 
 def test_a_job_config_checks_its_table(tmp_path):

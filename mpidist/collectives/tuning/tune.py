@@ -5,12 +5,12 @@
 
 At each size of the ladder, a screening pass times every algorithm (timing.time_algorithms:
 interleaved rounds, the same numbers on every rank, as many as fit in a time budget) and
-keeps two contenders: the built-in rule's pick (the incumbent) unless it is clearly behind,
-and the fastest other. Later passes over the ladder time the two alone, at other moments of
-a drifting machine; `decide` keeps the incumbent unless the challenger's worst pass beats
-the incumbent's by more than MIN_GAIN. A pick wins the sizes up to the geometric middle to
-the next size. Rank 0 writes the table (select.FORMAT) with the timings as notes; an
-existing file keeps its other layouts. Point a job at it with [parallel] algorithm_table or
+keeps the contenders: the built-in rule's pick (the incumbent) unless it is clearly behind,
+and the fastest others. Later passes over the ladder time them alone, at other moments of a
+drifting machine; `decide` picks the one whose worst pass is least behind the pass's
+fastest, the rule's pick unless beaten by more than MIN_GAIN. A pick wins the sizes up to
+the geometric middle to the next size. Rank 0 writes the table (select.FORMAT) with the
+timings as notes; an existing file keeps its other layouts. Point a job at it with [parallel] algorithm_table or
 env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
@@ -28,14 +28,16 @@ from mpidist.collectives.tuning import costmodel, timing
 from mpidist.comm import Communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
-__all__ = ["tune", "shortlist", "contenders", "decide", "main", "DEFAULT_SIZES", "SECONDS",
-           "PASSES", "MIN_GAIN", "KEEP"]
+__all__ = ["tune", "shortlist", "contenders", "behind", "decide", "main", "DEFAULT_SIZES",
+           "SECONDS", "MIN_ROUNDS", "PASSES", "CONTENDERS", "MIN_GAIN", "KEEP"]
 
 # the sizes `mpidist bench allreduce` measures by default, so that each has its own row
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
-SECONDS = 2.0         # per size and pass: the time that sets the rounds (5 to 300)
-PASSES = 3            # the screening pass, then re-checks of the two contenders
-MIN_GAIN = 0.03       # a challenger's worst pass must beat the incumbent's by this
+SECONDS = 2.0         # per size and pass: the time that sets the rounds
+MIN_ROUNDS = 7        # rounds per size and pass at least (at most 300)
+PASSES = 4            # the screening pass, then re-checks of the contenders
+CONTENDERS = 3        # re-checked: the rule's pick (unless clearly behind) and the fastest
+MIN_GAIN = 0.03       # another's worst pass must beat the rule's pick's by this
 KEEP = 1.25           # the rule's pick stays a contender when screened within this of the best
 
 
@@ -48,30 +50,30 @@ def shortlist(model, comm, nbytes: int) -> list[str]:
     return names + ([ruled] if ruled not in names else [])
 
 
-def contenders(screened: dict, ruled: str) -> tuple[str, str]:
-    """(incumbent, challenger) from the screening pass's {name: seconds per round}: the
-    rule's pick if its median is within KEEP of the best, else the best; and the fastest
-    other. With one algorithm screened, both are that one."""
+def contenders(screened: dict, ruled: str) -> list[str]:
+    """The algorithms re-checked, from the screening pass's {name: seconds per round}: the
+    rule's pick first (the incumbent) if its median is within KEEP of the best, else the
+    best; then the fastest others, CONTENDERS in all."""
     medians = {a: float(np.median(t)) for a, t in screened.items()}
     order = sorted(medians, key=lambda a: medians[a])
     incumbent = ruled if ruled in medians and medians[ruled] <= KEEP * medians[order[0]] \
         else order[0]
-    others = [a for a in order if a != incumbent]
-    return incumbent, others[0] if others else incumbent
+    return [incumbent] + [a for a in order if a != incumbent][:CONTENDERS - 1]
 
 
-def decide(incumbent: str, challenger: str, ratios) -> str:
-    """The pick from the per-pass medians of the paired ratios challenger / incumbent (one
-    per pass, each the median over that pass's rounds of the two times taken in the same
-    round): the one whose worst pass is less behind the other, the incumbent unless the
-    challenger's worst pass is better by more than MIN_GAIN."""
-    behind_c = max(1.0, max(ratios))
-    behind_i = max(1.0, max(1.0 / r for r in ratios))
-    return challenger if behind_c * (1.0 + MIN_GAIN) < behind_i else incumbent
+def behind(times: dict, names) -> dict[str, float]:
+    """Per name, how far it fell behind in one pass: the median over rounds of its time
+    over the time, in the same round, of the pass's fastest (by median) of names."""
+    best = min(names, key=lambda a: float(np.median(times[a])))
+    return {a: max(1.0, float(np.median(times[a] / times[best]))) for a in names}
 
 
-def _paired(times: dict, incumbent: str, challenger: str) -> float:
-    return float(np.median(times[challenger] / times[incumbent]))
+def decide(worst: dict[str, float], incumbent: str, gain: float = MIN_GAIN) -> str:
+    """The pick from each contender's worst pass ({name: the largest `behind` over the
+    passes}): the least behind, the incumbent unless another is better by more than
+    `gain`."""
+    least = min(worst, key=lambda a: (worst[a], a != incumbent))
+    return least if worst[least] * (1.0 + gain) < worst[incumbent] else incumbent
 
 
 def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
@@ -80,7 +82,7 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
     many as fit in `seconds`); returns the table entry for comm's layout
     (select.layout_of plus "sizes" rows and "measured" notes), the same on every rank."""
     sizes = sorted(sizes)
-    budget = dict(reps=reps, seconds=seconds)
+    budget = dict(reps=reps, seconds=seconds, min_reps=MIN_ROUNDS)
     rules = [select.rule(comm, n) for n in sizes]
     if comm.size == 1:
         screens = [{"native": np.zeros(1)} for _ in sizes]
@@ -88,20 +90,20 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
         # 1. screening: every algorithm, in the order of the model's predictions
         screens = [timing.time_algorithms(comm, shortlist(model, comm, n), n, seed=k,
                                           **budget) for k, n in enumerate(sizes)]
-    pairs = [contenders(s, r) for s, r in zip(screens, rules)]
-    ratios = [[_paired(s, *pair)] for s, pair in zip(screens, pairs)]
-    # 2. re-checks: the two contenders alone, one pass over the ladder at a time
+    tops = [contenders(s, r) for s, r in zip(screens, rules)]
+    passed = [[behind(s, top)] for s, top in zip(screens, tops)]
+    # 2. re-checks: the contenders alone, one pass over the ladder at a time
     for p in range(1, passes if comm.size > 1 else 1):
-        for k, (n, pair) in enumerate(zip(sizes, pairs)):
-            if pair[0] != pair[1]:
-                t = timing.time_algorithms(comm, list(pair), n, seed=p * len(sizes) + k,
-                                           **budget)
-                ratios[k].append(_paired(t, *pair))
+        for k, (n, top) in enumerate(zip(sizes, tops)):
+            if len(top) > 1:
+                t = timing.time_algorithms(comm, top, n, seed=p * len(sizes) + k, **budget)
+                passed[k].append(behind(t, top))
     measured = []
-    for n, s, r, pair, rule in zip(sizes, screens, ratios, pairs, rules):
-        measured.append({"bytes": n, "pick": decide(*pair, r), "model": model.choose(n),
-                         "rule": rule, "pair": list(pair),
-                         "ratios": [round(x, 3) for x in r],
+    for n, s, top, done, rule in zip(sizes, screens, tops, passed, rules):
+        worst = {a: max(b[a] for b in done) for a in top}
+        pick = decide(worst, top[0], MIN_GAIN if top[0] == rule else 0.0)
+        measured.append({"bytes": n, "pick": pick, "model": model.choose(n), "rule": rule,
+                         "behind": {a: [round(b[a], 3) for b in done] for a in top},
                          "us": {a: round(float(np.median(t)) * 1e6, 1) for a, t in s.items()},
                          "rounds": len(next(iter(s.values())))})
     rows = []
@@ -151,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=DEFAULT_SIZES, type=parse_sizes,
                     help=f"the ladder of message sizes in bytes (default {DEFAULT_SIZES})")
     ap.add_argument("--reps", type=int, default=None,
-                    help="timed rounds per size and pass (default: as many as fit in "
-                         "--seconds, 5 to 300)")
+                    help=f"timed rounds per size and pass (default: as many as fit in "
+                         f"--seconds, {MIN_ROUNDS} to 300)")
     ap.add_argument("--seconds", type=float, default=SECONDS,
                     help=f"time per size and pass that sets the rounds (default {SECONDS})")
     ap.add_argument("--passes", type=int, default=PASSES,
@@ -181,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         write_table(args.out, entry, made)
         print(f"# {mpi_library()}; {c.describe()}")
         print(f"{'size':>8} {'pick':>19} {'rule':>12} {'model':>19} {'rounds':>6}  "
-              f"challenger/incumbent per pass; screened (us)")
+              f"contenders: behind the fastest, per pass; screened (us)")
         for m in entry["measured"]:
             timed = ", ".join(f"{a} {t:.1f}" for a, t in sorted(m["us"].items(),
                                                                   key=lambda kv: kv[1]))
-            ratios = " ".join(f"{r:.2f}" for r in m["ratios"])
+            held = ", ".join(f"{a} " + " ".join(f"{b:.2f}" for b in bs)
+                             for a, bs in m["behind"].items())
             print(f"{format_size(m['bytes']):>8} {m['pick']:>19} {m['rule']:>12} "
-                  f"{m['model']:>19} {m['rounds']:>6}  {m['pair'][1]}/{m['pair'][0]} "
-                  f"{ratios}; {timed}")
+                  f"{m['model']:>19} {m['rounds']:>6}  {held}; {timed}")
         rows = ", ".join(f"{r['algorithm']} to {r['upto']}" if r["upto"] else
                          f"{r['algorithm']} beyond" for r in entry["sizes"])
         print(f"wrote {args.out}: {rows}", flush=True)
