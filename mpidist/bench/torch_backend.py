@@ -32,6 +32,9 @@ def _parse(argv):
     p.add_argument("--algorithm", default="auto", help="mpidist allreduce algorithm")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="DDP's bucket_cap_mb, for both backends (25 is DDP's default)")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP's gradient_as_bucket_view=True, for both backends (default: "
+                        "DDP's default, False)")
     p.add_argument("--out", default=os.path.join("results", "bench", "torch_backend"),
                    help="output directory")
     p.add_argument("--worker", action="store_true",
@@ -66,7 +69,8 @@ def _worker(args) -> dict:
     steps = {}
     for name in VARIANTS:
         model = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=groups[name],
-                                                          bucket_cap_mb=args.bucket_mb)
+                                                          bucket_cap_mb=args.bucket_mb,
+                                                          gradient_as_bucket_view=args.bucket_view)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
 
         def step(model=model, opt=opt):
@@ -84,7 +88,7 @@ def _worker(args) -> dict:
             if i >= args.warmup:
                 times[k].append(time.perf_counter() - t0)
     out = {"ranks": comm.size, "batch_per_rank": args.batch, "algorithm": args.algorithm,
-           "bucket_mb": args.bucket_mb,
+           "bucket_mb": args.bucket_mb, "bucket_view": args.bucket_view,
            "params": sum(p.numel() for p in _mlp().parameters())}
     for k, rows in times.items():
         slowest = np.empty(len(rows))
@@ -99,7 +103,8 @@ def _worker(args) -> dict:
 def _report(rows, args) -> str:
     head = f"{'ranks':>5} {'backend':>8} {'step ms':>8} {'samples/s':>10} {'vs gloo':>8}"
     lines = [f"DDP, MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
-             f"batch {args.batch}/rank, momentum SGD, DDP buckets {args.bucket_mb:g} MB, one "
+             f"batch {args.batch}/rank, momentum SGD, DDP buckets {args.bucket_mb:g} MB"
+             f"{' (gradients as bucket views)' if args.bucket_view else ''}, one "
              f"thread per rank, {args.steps} timed steps alternated; mpidist algorithm "
              f"{args.algorithm}", head, "-" * len(head)]
     for r in rows:
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark from the command line; returns the exit code.
 
     The same script and model for both (the MLP 1024-2048-2048-10, 6.3M parameters, --batch
-    synthetic samples per rank, momentum SGD, DDP buckets of --bucket-mb, default DDP's 25 MB),
+    synthetic samples per rank, momentum SGD, DDP buckets of --bucket-mb, default DDP's 25 MB,
+    gradients as bucket views with --bucket-view),
     one thread per rank; only the process group differs: "mpidist" (the default group, made by
     mpidist.torch.backend.init_process_group) or gloo (a group of the same ranks). The two
     models take turns step by step, each step after a barrier, so a change of the machine's load
@@ -127,4 +133,5 @@ def main(argv: list[str] | None = None) -> int:
     return drive("torch_backend", args, _worker, _report,
                  ["--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--batch", str(args.batch), "--algorithm", args.algorithm,
-                  "--bucket-mb", str(args.bucket_mb)])
+                  "--bucket-mb", str(args.bucket_mb)]
+                 + (["--bucket-view"] if args.bucket_view else []))
