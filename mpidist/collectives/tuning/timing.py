@@ -57,19 +57,24 @@ def time_algorithms(comm, algorithms, nbytes: int, *, reps: int | None = None,
                     seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
     """{algorithm: the slowest rank's seconds per round} for one public allreduce() of
     nbytes, in interleaved rounds (time_rounds) after one warm-up call each: reps rounds,
-    or (reps None) as many as a second, warm call of each says fit in `seconds`, within
-    [min_reps, max_reps], judged by the slowest rank so that every rank runs as many."""
+    or (reps None) as many as fit in `seconds`, within [min_reps, max_reps], as a second,
+    warm call of each says (min_reps where the first calls already took longer), judged by
+    the slowest rank so that every rank runs as many."""
     x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
     calls = {a: (lambda a=a: allreduce(x, algorithm=a, comm=comm)) for a in algorithms}
+    t0 = time.perf_counter()
     for call in calls.values():
         call()                                           # warm-up: scratch, windows
-    if reps is None:                  # a second call each, warm, sets the count
-        t0 = time.perf_counter()
-        for call in calls.values():
-            x.fill(1)
-            call()
-        warm = comm.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        reps = max(min_reps, min(max_reps, int(seconds / max(warm, 1e-9))))
+    if reps is None:
+        first = comm.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        reps = min_reps
+        if first * min_reps < seconds:    # more may fit: a second, warm call each says
+            t0 = time.perf_counter()
+            for call in calls.values():
+                x.fill(1)
+                call()
+            warm = comm.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            reps = max(min_reps, min(max_reps, int(seconds / max(warm, 1e-9))))
     return time_rounds(comm, calls, reps, seed=seed, setup=lambda: x.fill(1))
 
 

@@ -33,9 +33,9 @@ __all__ = ["tune", "shortlist", "contenders", "behind", "decide", "main", "DEFAU
 
 # the sizes `mpidist bench allreduce` measures by default, so that each has its own row
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
-SECONDS = 2.0         # per size and pass: the time that sets the rounds
+SECONDS = 1.5         # per size and pass: the time that sets the rounds
 MIN_ROUNDS = 7        # rounds per size and pass at least (at most 300)
-PASSES = 4            # the screening pass, then re-checks of the contenders
+PASSES = 3            # the screening pass, then re-checks of the contenders
 CONTENDERS = 3        # re-checked: the rule's pick (unless clearly behind) and the fastest
 MIN_GAIN = 0.03       # another's worst pass must beat the rule's pick's by this
 KEEP = 1.25           # the rule's pick stays a contender when screened within this of the best
@@ -84,28 +84,31 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
     sizes = sorted(sizes)
     budget = dict(reps=reps, seconds=seconds, min_reps=MIN_ROUNDS)
     rules = [select.rule(comm, n) for n in sizes]
-    if comm.size == 1:
-        screens = [{"native": np.zeros(1)} for _ in sizes]
-    else:
+    spent, screens = [0.0] * len(sizes), []
+    for k, n in enumerate(sizes):
         # 1. screening: every algorithm, in the order of the model's predictions
-        screens = [timing.time_algorithms(comm, shortlist(model, comm, n), n, seed=k,
-                                          **budget) for k, n in enumerate(sizes)]
+        t0 = time.perf_counter()
+        screens.append({"native": np.zeros(1)} if comm.size == 1 else timing.time_algorithms(
+            comm, shortlist(model, comm, n), n, seed=k, **budget))
+        spent[k] += time.perf_counter() - t0
     tops = [contenders(s, r) for s, r in zip(screens, rules)]
     passed = [[behind(s, top)] for s, top in zip(screens, tops)]
     # 2. re-checks: the contenders alone, one pass over the ladder at a time
     for p in range(1, passes if comm.size > 1 else 1):
         for k, (n, top) in enumerate(zip(sizes, tops)):
             if len(top) > 1:
+                t0 = time.perf_counter()
                 t = timing.time_algorithms(comm, top, n, seed=p * len(sizes) + k, **budget)
                 passed[k].append(behind(t, top))
+                spent[k] += time.perf_counter() - t0
     measured = []
-    for n, s, top, done, rule in zip(sizes, screens, tops, passed, rules):
+    for n, s, top, done, rule, sec in zip(sizes, screens, tops, passed, rules, spent):
         worst = {a: max(b[a] for b in done) for a in top}
         pick = decide(worst, top[0], MIN_GAIN if top[0] == rule else 0.0)
         measured.append({"bytes": n, "pick": pick, "model": model.choose(n), "rule": rule,
                          "behind": {a: [round(b[a], 3) for b in done] for a in top},
                          "us": {a: round(float(np.median(t)) * 1e6, 1) for a, t in s.items()},
-                         "rounds": len(next(iter(s.values())))})
+                         "rounds": len(next(iter(s.values()))), "seconds": round(sec, 1)})
     rows = []
     for i, m in enumerate(measured):
         upto = None if i == len(measured) - 1 else \
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reps": args.reps, "seconds_per_pass": args.seconds, "passes": args.passes}
         write_table(args.out, entry, made)
         print(f"# {mpi_library()}; {c.describe()}")
-        print(f"{'size':>8} {'pick':>19} {'rule':>12} {'model':>19} {'rounds':>6}  "
+        print(f"{'size':>8} {'pick':>19} {'rule':>12} {'model':>19} {'rounds':>6} {'s':>5}  "
               f"contenders: behind the fastest, per pass; screened (us)")
         for m in entry["measured"]:
             timed = ", ".join(f"{a} {t:.1f}" for a, t in sorted(m["us"].items(),
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             held = ", ".join(f"{a} " + " ".join(f"{b:.2f}" for b in bs)
                              for a, bs in m["behind"].items())
             print(f"{format_size(m['bytes']):>8} {m['pick']:>19} {m['rule']:>12} "
-                  f"{m['model']:>19} {m['rounds']:>6}  {held}; {timed}")
+                  f"{m['model']:>19} {m['rounds']:>6} {m['seconds']:5.1f}  {held}; {timed}")
         rows = ", ".join(f"{r['algorithm']} to {r['upto']}" if r["upto"] else
                          f"{r['algorithm']} beyond" for r in entry["sizes"])
         print(f"wrote {args.out}: {rows}", flush=True)
