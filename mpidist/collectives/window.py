@@ -20,13 +20,15 @@ from mpi4py import MPI
 from mpidist.collectives import flight, shm
 from mpidist.collectives.handle import Handle
 from mpidist.comm import as_communicator
+from mpidist.kernels.grads_cpu import sum_finite
 from mpidist.partition import counts_displs
 
 __all__ = ["SharedBuffer", "DTYPES"]
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _BLOCK_BYTES = 256 << 10
-_HEADER = 64          # bytes before each rank's data: its barrier counter, alone in a line
+_HEADER = 64          # bytes before each rank's data: its barrier counter and its count of
+                      # non-finite chunks, alone in a line
 _SPINS = 64           # polls before the waiting thread starts sleeping between polls
 _NAP_MAX = 200e-6     # the longest sleep between polls (seconds)
 
@@ -36,13 +38,16 @@ class SharedBuffer:
 
     data: this rank's array. allreduce_async(lo, hi) sums data[lo:hi] over the ranks in
     place and returns a Handle; reduce_scatter_async and allgather serve ZeRO's shards;
-    fence() before writing into a range reduced since.
+    fence() (or fence_async().wait()) before writing into a range reduced since.
 
     For a range [lo, hi):
     1. ready: barrier (every rank's range holds its final values);
-    2. reduce: my chunk, chunk(hi - lo, rank, size), summed over every rank's slice (mine
-       first, then the next ranks' in a ring), block by block, in place in my own slice;
-    3. gather: barrier; copy every other rank's reduced chunk out of its slice.
+    2. reduce: my chunk, chunk_of(lo, hi), summed over every rank's slice (mine first, then
+       the next ranks' in a ring), block by block, into my own slice; my own values may
+       come from elsewhere (`own`: an array nobody else reads need not be copied in); the
+       sums are checked for Inf/NaN in the same pass;
+    3. gather: barrier; copy every other rank's reduced chunk out of its slice, and add up
+       the ranks' counts of non-finite chunks (`nonfinite`, the same on every rank).
     Memory traffic per rank: about n (p+1)/p + 2 n (p-1)/p bytes for n bytes, a third of
     the ring's. A third barrier (fence) separates the last gather from the next writes.
     Each reduction is on the flight recorder's record, so the watchdog reports a rank that
@@ -70,8 +75,9 @@ class SharedBuffer:
         mem = [np.frombuffer(self.win.Shared_query(r)[0], np.uint8)[:nbytes]
                for r in range(self.size)]
         self.slices = [m[_HEADER:].view(dtype) for m in mem]
-        self._counters = [m[:8].view(np.int64) for m in mem]
-        self._counters[self.rank][0] = self._seq = 0
+        self._counters = [m[:16].view(np.int64) for m in mem]
+        self._counters[self.rank][:2] = self._seq = 0
+        self.nonfinite = 0
         self.comm.Barrier()
         self.data = self.slices[self.rank]
         self.data[...] = 0
@@ -93,26 +99,42 @@ class SharedBuffer:
                     nap = min(2 * nap, _NAP_MAX)
         self.win.Sync()
 
-    def _sum_into_mine(self, a: int, b: int) -> None:
-        """data[a:b] += every other slice's [a, b), from the next rank on, block by block
-        (element-wise in place: my own values are read before they are overwritten)."""
+    def chunk_of(self, lo: int, hi: int) -> tuple[int, int]:
+        """[a, b): the part of [lo, hi) whose sum this rank computes (its `own` may cover it)."""
+        counts, displs = counts_displs(hi - lo, self.size)
+        return lo + displs[self.rank], lo + displs[self.rank] + counts[self.rank]
+
+    def _sum_into_mine(self, a: int, b: int, own=()) -> bool:
+        """data[a:b] = my values + every other slice's [a, b), from the next rank on, block
+        by block (in place where my values are my slice's); own: (start, array) pieces of
+        my values to read instead of my slice. Returns whether every sum is finite."""
         s, r = self.slices, self.rank
         others = [s[(r + k) % self.size] for k in range(1, self.size)]
-        for x in range(a, b, self._block):
-            y = min(x + self._block, b)
-            mine = self.data[x:y]
-            for other in others:
-                np.add(mine, other[x:y], out=mine)
+        pieces, x = [], a                       # (start, stop, my values there; None: data)
+        for start, values in sorted(own, key=lambda piece: piece[0]):
+            if x < start:
+                pieces.append((x, start, None))
+            pieces.append((start, start + values.shape[0], values))
+            x = start + values.shape[0]
+        if x < b:
+            pieces.append((x, b, None))
+        finite = True
+        for start, stop, values in pieces:         # one call each: the GIL is free meanwhile
+            finite &= sum_finite(self.data[start:stop], [o[start:stop] for o in others],
+                                 values, self._block)
+        return finite
 
-    def _allreduce(self, lo: int, hi: int) -> None:
+    def _allreduce(self, lo: int, hi: int, own) -> None:
         counts, displs = counts_displs(hi - lo, self.size)
         a = lo + displs[self.rank]
         # 1. every rank's range is final
         self._barrier()
         # 2. my chunk summed in rank order over every slice, into my own slice
-        self._sum_into_mine(a, a + counts[self.rank])
-        # 3. the other ranks' reduced chunks
+        if not self._sum_into_mine(a, a + counts[self.rank], own):
+            self._counters[self.rank][1] += 1
+        # 3. the other ranks' reduced chunks, and their count of non-finite ones
         self._barrier()
+        self.nonfinite = sum(int(c[1]) for c in self._counters)
         for j in range(self.size):
             if j != self.rank:
                 x = lo + displs[j]
@@ -122,14 +144,25 @@ class SharedBuffer:
         self._barrier()
         self._sum_into_mine(max(lo, mine[0]), min(hi, mine[1]))
 
-    def allreduce_async(self, lo: int, hi: int) -> Handle:
+    def allreduce_async(self, lo: int, hi: int, own=()) -> Handle:
         """Start summing data[lo:hi] over the ranks (in submission order, collective: every
-        rank submits the same ranges in the same order); wait() returns that view."""
+        rank submits the same ranges in the same order); wait() returns that view.
+
+        own: (start, array) pieces, inside chunk_of(lo, hi) and apart, that hold my values
+        there instead of data (which is not read there); held until the sum is done.
+        After wait(), `nonfinite` counts every chunk so far whose sum held an Inf or NaN."""
         if not 0 <= lo <= hi <= self.data.shape[0]:
             raise ValueError(f"range [{lo}, {hi}) is outside the buffer's "
                              f"{self.data.shape[0]} elements")
+        a, b = self.chunk_of(lo, hi)
+        for start, values in own:
+            if not (a <= start and start + values.shape[0] <= b and values.ndim == 1
+                    and values.dtype == self.data.dtype):
+                raise ValueError(f"own piece [{start}, {start + values.shape[0]}) is not a "
+                                 f"1-D {self.data.dtype} array inside this rank's chunk "
+                                 f"[{a}, {b}) of [{lo}, {hi})")
         entry = flight.begin(self._owner, ("shared_allreduce", ("lo", int(lo)), ("hi", int(hi))))
-        fut = self._pool.submit(self._allreduce, int(lo), int(hi))
+        fut = self._pool.submit(self._allreduce, int(lo), int(hi), tuple(own))
         return Handle(self.data[lo:hi], futures=[fut], entry=entry)
 
     def reduce_scatter_async(self, lo: int, hi: int, mine: tuple[int, int]) -> Handle:
@@ -157,6 +190,12 @@ class SharedBuffer:
     def fence(self) -> None:
         """Collective, after waiting for the reductions: no rank still reads my slice."""
         self._run(("shared_fence",), self._barrier)
+
+    def fence_async(self) -> Handle:
+        """Collective: the fence, queued behind the reductions submitted so far; once
+        wait() returns, no rank still reads my slice."""
+        entry = flight.begin(self._owner, ("shared_fence",))
+        return Handle(futures=[self._pool.submit(self._barrier)], entry=entry)
 
     def _run(self, signature, fn) -> None:
         """fn on the worker, in order after the reductions, and wait; on the flight record."""

@@ -3,7 +3,10 @@
 `register_post_accumulate_grad_hook` reports each gradient final. A gradient autograd
 handed over as a new tensor (after zero_grad(set_to_none=True)) is copied into its view
 of the flat gradient buffer and checked for Inf/NaN in the same pass; `.grad` is then the
-view again. The flat buffer is cut into buckets from its end (backward reaches the last
+view again. Where the exchange sums in the node's shared window, which checks the sums as
+it makes them, a gradient's part in this rank's own chunk of its bucket (which no other
+rank reads) is not copied: the launch reads it from autograd's tensor and the sum lands in
+the view. The flat buffer is cut into buckets from its end (backward reaches the last
 layer first, as in mpidist.engine.distributed.make_buckets); a bucket is launched once all
 its gradients are final and all buckets before it are launched, so every rank launches the
 same buckets in the same order. What a launch does is the exchange's business
@@ -44,12 +47,17 @@ class GradientBuckets:
             for index, _, _ in layout.clip(lo, hi):
                 self._bucket_of[index] = b
         self._size_of = np.bincount(self._bucket_of, minlength=len(self.buckets))
+        self._own_part = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(params)]
         self.new_round()
 
     def new_round(self) -> None:
         """Forget this round's gradients (after a step, or zero_grad)."""
+        self._window = self.exchange.in_window()
+        if self._window and self._own_part is None:
+            self._own_part = self._own_parts()
+        self._own: list[list] = [[] for _ in self.buckets]
         self._passes = np.zeros(len(self.params), np.int64)
         self._pending = self._size_of.copy()
         self._handles: list = []
@@ -63,6 +71,27 @@ class GradientBuckets:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def _own_parts(self) -> list:
+        """Per parameter: (x, y, start), its elements [x, y) in the exchange's owned part of
+        its bucket (start: where x lies in the buffer), or None."""
+        parts = []
+        for i, s in enumerate(self.layout):
+            a, b = self.exchange.owned(*self.buckets[self._bucket_of[i]])
+            x, y = max(a, s.offset) - s.offset, min(b, s.stop) - s.offset
+            parts.append((x, y, s.offset + x) if x < y else None)
+        return parts
+
+    def _copy_around_own(self, i: int, src) -> None:
+        """Copy gradient i into the buffer but for its owned part, which the launch reads."""
+        dst, part = self.storage.gflat[i], self._own_part[i]
+        if part is None:
+            dst[...] = src
+            return
+        x, y, start = part
+        dst[:x] = src[:x]
+        dst[y:] = src[y:]
+        self._own[self._bucket_of[i]].append((start, src[x:y]))
 
     def _hook(self, i: int):
         def hook(p):
@@ -89,15 +118,17 @@ class GradientBuckets:
             g = p.grad = gview
         elif g is not gview and g.data_ptr() != gview.data_ptr():
             if final and g.is_contiguous() and g.dtype == gview.dtype and g.device.type == "cpu":
-                ok = copy_finite(self.storage.gflat[i], to_numpy(g).reshape(-1))
+                if self._window:            # the window's sum checks it
+                    self._copy_around_own(i, to_numpy(g).reshape(-1))
+                else:
+                    ok = copy_finite(self.storage.gflat[i], to_numpy(g).reshape(-1))
             else:
                 gview.copy_(g)
             p.grad = gview
         if not final:
             return
-        if ok is None:
-            ok = all_finite(self.storage.gflat[i])
-        self._finite &= bool(ok)
+        if not self._window:
+            self._finite &= bool(all_finite(self.storage.gflat[i]) if ok is None else ok)
         self._pending[self._bucket_of[i]] -= 1
         self._launch()
 
@@ -105,13 +136,19 @@ class GradientBuckets:
         t0 = time.perf_counter()
         while len(self._handles) < len(self.buckets) and self._pending[len(self._handles)] == 0:
             lo, hi = self.buckets[len(self._handles)]
-            self._handles.append(self.exchange.launch(lo, hi))
+            self._handles.append(self.exchange.launch(lo, hi, self._own[len(self._handles)]))
+            if len(self._handles) == len(self.buckets):
+                self.exchange.launched()
         self.t_launch += time.perf_counter() - t0
 
-    def synchronize(self) -> bool:
+    def synchronize(self, settle: bool = True) -> bool:
         """Launch what is left, agree on finiteness and wait for every bucket; returns
-        whether the summed gradients are finite on every rank (collective)."""
+        whether the summed gradients are finite on every rank (collective). settle: also
+        wait until no rank reads my gradients any more (else the caller settles later,
+        before writing into them: exchange.settle())."""
         if self._synced is not None:
+            if settle:
+                self.exchange.settle()
             return self._synced
         for i, p in enumerate(self.params):
             if self._passes[i] < self.passes_per_step:
@@ -124,10 +161,13 @@ class GradientBuckets:
                 self.exchange.wait(self.buckets[b], h)
         if req is not None:
             req.Wait()
-        self.exchange.complete()
+        summed_finite = self.exchange.complete()
         if flag[1] > 0:                     # every bucket went out and came back first
             error = RuntimeError("; ".join(self._errors)) if self._errors else None
+            self.exchange.settle()
             self.new_round()
             c.raise_if_any(error)
-        self._synced = bool(flag[0] == 0.0)
+        self._synced = bool(flag[0] == 0.0) and summed_finite is not False
+        if settle:
+            self.exchange.settle()
         return self._synced

@@ -2,13 +2,24 @@
 data parallel (every rank the whole sum, every rank the whole update).
 
 An exchange serves GradientBuckets and the optimizer's step:
-    launch(lo, hi) -> handle or None     a bucket's gradients are final (in bucket order)
+    in_window() -> bool                  this round's buckets are summed in the shared window
+    owned(lo, hi) -> (a, b)              (in_window) the part of a bucket my launch may read
+                                         from autograd's tensors instead of the buffer
+    launch(lo, hi, own) -> handle|None   a bucket's gradients are final (in bucket order);
+                                         own: (start, array) pieces of owned(lo, hi)
+    launched()                           every bucket of the round is launched
     wait((lo, hi), handle)               step(): that bucket's reduction is needed now
-    complete()                           after the last wait (window fence, late collectives)
+    complete() -> bool | None            after the last wait (late collectives): whether the
+                                         sums are finite on every rank (in_window), else
+                                         None (the hooks checked)
     update(optimizer, scale) -> info     the optimizer step on the reduced gradients;
                                          scale: what the summed gradients are divided by
+    settle()                             before the gradient buffer is written again: no
+                                         rank still reads mine (the window's fence, queued
+                                         at launched(), so that it overlaps the update)
 Where the node's shared window is used (storage.shared), gradients are reduced where they
-lie; else through mpidist.collectives (or a compressor of mpidist.compress).
+lie, checked for Inf/NaN as they are summed; else through mpidist.collectives (or a
+compressor of mpidist.compress).
 """
 from __future__ import annotations
 
@@ -34,17 +45,34 @@ class Allreduce:
         self.storage, self.comm = storage, comm
         self.algorithm, self.compressed = algorithm, compressed
         self.shard = (0, storage.layout.numel)
+        self._nonfinite = 0             # the window's count of non-finite chunks, last seen
+        self._fence = None
 
-    def launch(self, lo: int, hi: int):
+    def in_window(self) -> bool:
+        return self.storage.shared is not None
+
+    def owned(self, lo: int, hi: int) -> tuple[int, int]:
+        return self.storage.shared.chunk_of(lo, hi)
+
+    def launch(self, lo: int, hi: int, own=()):
         if self.comm.size == 1:
             return None
         buf = self.storage.grads[lo:hi]
         if self.storage.shared is not None:
-            return self.storage.shared.allreduce_async(lo, hi)
+            return self.storage.shared.allreduce_async(lo, hi, own)
         if self.compressed is not None:
             return self.compressed.allreduce_async(buf, op="sum",
                                                    layout=self.storage.layout)
         return allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
+
+    def launched(self) -> None:
+        if self.storage.shared is not None:
+            self._fence = self.storage.shared.fence_async()
+
+    def settle(self) -> None:
+        if self._fence is not None:
+            self._fence.wait()
+            self._fence = None
 
     def wait(self, bounds, handle) -> None:
         out = handle.wait()
@@ -52,12 +80,16 @@ class Allreduce:
             lo, hi = bounds
             self.storage.grads[lo:hi] = out
 
-    def complete(self) -> None:
-        if self.storage.shared is not None:
-            self.storage.shared.fence()          # nobody reads my gradients any more
+    def complete(self) -> bool | None:
+        shared = self.storage.shared
+        if shared is None:
+            return None
+        finite, self._nonfinite = shared.nonfinite == self._nonfinite, shared.nonfinite
+        return finite
 
     def update(self, optimizer, scale: float) -> dict:
         if isinstance(optimizer, torch.optim.Optimizer):
+            self.settle()                        # it may write into the gradients
             if scale != 1.0:
                 from_numpy(self.storage.grads).mul_(1.0 / scale)
             optimizer.step()

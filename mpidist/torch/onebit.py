@@ -34,15 +34,27 @@ class Onebit:
         """True once the warm-up is over: the momentum goes instead of the gradients."""
         return self.driver.frozen
 
-    def launch(self, lo: int, hi: int):
-        return None if self.frozen else self.inner.launch(lo, hi)
+    def in_window(self) -> bool:
+        return not self.frozen and self.inner.in_window()
+
+    def owned(self, lo: int, hi: int) -> tuple[int, int]:
+        return self.inner.owned(lo, hi)
+
+    def launch(self, lo: int, hi: int, own=()):
+        return None if self.frozen else self.inner.launch(lo, hi, own)
+
+    def launched(self) -> None:
+        if not self.frozen:
+            self.inner.launched()
+
+    def settle(self) -> None:
+        self.inner.settle()
 
     def wait(self, bounds, handle) -> None:
         self.inner.wait(bounds, handle)
 
-    def complete(self) -> None:
-        if not self.frozen:
-            self.inner.complete()
+    def complete(self) -> bool | None:
+        return None if self.frozen else self.inner.complete()
 
     def update(self, optimizer, scale: float) -> dict:
         if not self.frozen:

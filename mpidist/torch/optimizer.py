@@ -244,20 +244,23 @@ class DistributedOptimizer:
 
         1. launch what is left (parameters that got no gradient count as zero, as in DDP);
         2. agree on finiteness with one small allreduce of the flags found in the hooks (no
-           pass over the gradients); 3. wait for the buckets; 4. update: the mpidist
-        optimizer's fused kernel over the flat buffers (op="avg" folds 1/size into it), or
-        the wrapped torch optimizer on the `.grad` views."""
+           pass over the gradients; in the shared window the sums are checked as they are
+           made); 3. wait for the buckets; 4. update: the mpidist optimizer's fused kernel
+        over the flat buffers (op="avg" folds 1/size into it), or the wrapped torch
+        optimizer on the `.grad` views; 5. settle: no rank reads my gradients any more (the
+        window's fence, which ran during the update)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        finite = self.synchronize()
+        finite = self.buckets.synchronize(settle=False)
         t1 = time.perf_counter()
         info = {"skipped": not finite}
         if finite:
             scale = float(self.comm.size) if self.op == "avg" else 1.0
             info.update(self.exchange.update(self.optimizer, scale))
+        self.exchange.settle()
         t2 = time.perf_counter()
         self.last_step = {**info, "t_launch": self.buckets.t_launch, "t_wait": t1 - t0,
                           "t_optim": t2 - t1}

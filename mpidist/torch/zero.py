@@ -38,20 +38,26 @@ class Zero(Allreduce):
         self.shard = shard_of(n, comm, stage)
         self.bounds = [chunk(n, r, comm.size)[0] for r in range(comm.size)] + [n]
 
-    def launch(self, lo: int, hi: int):
+    def in_window(self) -> bool:
+        """Stage 1 allreduces in the window as data parallel does (stage 2 reduce-scatters:
+        the hooks copy and check every gradient)."""
+        return self.stage == 1 and super().in_window()
+
+    def launch(self, lo: int, hi: int, own=()):
         if self.stage == 1 or self.comm.size == 1:
-            return super().launch(lo, hi)
+            return super().launch(lo, hi, own)
         shared = self.storage.shared    # without the window: one reduce-scatter in complete()
         return None if shared is None else shared.reduce_scatter_async(lo, hi, self.shard)
 
-    def complete(self) -> None:
+    def complete(self) -> bool | None:
         if self.storage.shared is not None:
-            self.storage.shared.fence()
-        elif self.stage == 2 and self.comm.size > 1:
+            return super().complete() if self.stage == 1 else None
+        if self.stage == 2 and self.comm.size > 1:
             a, b = self.shard
             g = self.storage.grads
             reduce_scatter(g, op="sum", comm=self.comm, out=g[a:b],
                            algorithm="auto" if self.algorithm == "auto" else "ring")
+        return None
 
     def update(self, optimizer, scale: float) -> dict:
         a, b = self.shard

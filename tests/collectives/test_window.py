@@ -43,3 +43,38 @@ def test_reductions_are_on_the_flight_record(comm):
     assert [r["call"] for r in rec] == ["shared_allreduce(lo=0, hi=64)", "shared_fence()"], rec
     assert all(r["end"] is not None for r in rec), rec
     buf.free()
+
+
+def test_own_values_replace_my_chunk_and_nonfinite_sums_are_counted(comm):
+    """Values passed as `own` stand for this rank's chunk (the slice there is not read); an
+    Inf or NaN anywhere, on any rank, is counted once per chunk, alike on every rank."""
+    if not SharedBuffer.usable(comm, np.float32):
+        pytest.skip("needs several ranks on one node")
+    n = 10_007
+    buf = SharedBuffer(n, np.float32, comm)
+    rng = np.random.default_rng(comm.rank)
+    mine = rng.standard_normal(n).astype(np.float32)
+    total = np.sum(comm.comm.allgather(mine), axis=0, dtype=np.float64)
+    lo, hi = 3, n - 5
+    a, b = buf.chunk_of(lo, hi)
+    buf.data[...] = mine
+    buf.data[a:b] = np.nan                       # not read: own covers it, in two pieces
+    m = (a + b) // 2
+    own = [(m, mine[m:b].copy()), (a, mine[a:m].copy())]
+    buf.allreduce_async(lo, hi, own).wait()
+    buf.fence()
+    assert buf.nonfinite == 0
+    np.testing.assert_allclose(buf.data[lo:hi], total[lo:hi], rtol=1e-5, atol=1e-5)
+    assert np.array_equal(buf.data[:lo], mine[:lo])
+    every = comm.comm.allgather(buf.data[lo:hi].tobytes())
+    assert all(x == every[0] for x in every)
+    for k, bad in enumerate((np.inf, np.nan)):   # one element on the last rank
+        buf.data[...] = mine
+        if comm.rank == comm.size - 1:
+            buf.data[(lo + 7 * k) % n] = bad
+        buf.allreduce_async(lo, hi).wait()
+        buf.fence()
+        assert buf.nonfinite == k + 1
+    with pytest.raises(ValueError, match="inside this rank's chunk"):
+        buf.allreduce_async(lo, hi, [(b, mine[:1])])
+    buf.free()

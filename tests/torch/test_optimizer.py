@@ -247,6 +247,37 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(comm):
     opt.close()
 
 
+@pytest.mark.parametrize("bucket_mb", [4.0, 1e-4])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_infinite_element_skips_everywhere_then_training_goes_on(comm, where, bucket_mb):
+    """Wherever the Inf lies (in the chunk a rank sums itself or in another's), on one rank,
+    the step is skipped on every rank, and the next step is not."""
+    model = make_model()
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, bucket_mb=bucket_mb)
+    n = opt.layout.numel
+    k = {"first": 0, "middle": n // 2, "last": n - 1}[where]
+    seg = next(s for s in opt.layout if s.offset <= k < s.stop)
+    param = dict(model.named_parameters())[seg.name]
+
+    def poison(g):
+        g = g.clone()
+        g.view(-1)[k - seg.offset] = float("inf")
+        return g
+    x, y = batches(1, comm.size)[0]
+    before = opt.flat_params.copy()
+    hook = param.register_hook(poison) if comm.rank == comm.size - 1 else None
+    for skipped in (True, False):
+        opt.zero_grad()
+        loss_of(model, mine(x, comm.rank), mine(y, comm.rank)).backward()
+        opt.step()
+        assert opt.last_step["skipped"] == skipped
+        assert np.array_equal(opt.flat_params, before) == skipped
+        if hook is not None:
+            hook.remove()
+            hook = None
+    opt.close()
+
+
 def test_compression_keeps_ranks_identical(comm):
     model = make_model()
     opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, compression="fp16")
