@@ -179,7 +179,7 @@ def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     assert [select.choose(comm, n) for n in sizes] == picks
 
 
-def test_shortlist_screens_every_algorithm_and_the_rules_pick(comm):
+def test_shortlist_times_every_algorithm_and_the_rules_pick(comm):
     model = _model(max(2, comm.size))
     names = tune.shortlist(model, comm, 64 << 20)
     assert names[0] == "ring" and select.rule(comm, 64 << 20) in names
@@ -189,14 +189,6 @@ def test_shortlist_screens_every_algorithm_and_the_rules_pick(comm):
 def test_the_tune_ladder_is_the_benchmark_sizes():
     """Every size `mpidist bench allreduce` measures by default has its own tuned row."""
     assert tune.DEFAULT_SIZES == bench_allreduce.DEFAULT_SIZES
-
-
-def test_contenders_keep_the_rules_pick_unless_it_is_clearly_behind():
-    screened = {"native": np.array([1.0, 1.1]), "shm": np.array([1.1, 1.2]),
-                "tree": np.array([2.0, 2.0]), "ring": np.array([3.0, 3.0])}
-    assert tune.contenders(screened, "shm") == ["shm", "native", "tree"]
-    assert tune.contenders(screened, "ring") == ["native", "shm", "tree"]
-    assert tune.contenders({"native": np.ones(3)}, "native") == ["native"]
 
 
 def test_behind_pairs_each_round_with_the_fastest():

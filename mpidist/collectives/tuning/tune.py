@@ -3,15 +3,15 @@
     python -m mpidist.launcher -n 4 -- mpidist tune --out allreduce-table.json
     srun -n 64 mpidist tune --out table.json --sizes 4K,64K,1M,16M,256M
 
-At each size of the ladder, a screening pass times every algorithm (timing.time_algorithms:
-interleaved rounds, the same numbers on every rank, as many as fit in a time budget) and
-keeps the contenders: the built-in rule's pick (the incumbent) unless it is clearly behind,
-and the fastest others. Later passes over the ladder time them alone, at other moments of a
-drifting machine; `decide` picks the one whose worst pass is least behind the pass's
-fastest, the rule's pick unless beaten by more than MIN_GAIN. A pick wins the sizes up to
-the geometric middle to the next size. Rank 0 writes the table (select.FORMAT) with the
-timings as notes; an existing file keeps its other layouts. Point a job at it with [parallel] algorithm_table or
-env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
+Each pass over the ladder times, at every size, every algorithm in interleaved rounds
+(timing.time_algorithms: the same numbers on every rank, as many rounds as fit in a time
+budget), so that each is timed beside all the others, as a benchmark times it, at PASSES
+moments of a drifting machine. `decide` picks the algorithm whose worst pass is least behind
+that pass's fastest, and keeps the built-in rule's pick unless another's worst pass is
+better by more than MIN_GAIN. A pick wins the sizes up to the geometric middle to the next
+size. Rank 0 writes the table (select.FORMAT) with the timings as notes; an existing file
+keeps its other layouts. Point a job at it with [parallel] algorithm_table or env
+MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -28,17 +28,15 @@ from mpidist.collectives.tuning import costmodel, timing
 from mpidist.comm import Communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
-__all__ = ["tune", "shortlist", "contenders", "behind", "decide", "main", "DEFAULT_SIZES",
-           "SECONDS", "MIN_ROUNDS", "PASSES", "CONTENDERS", "MIN_GAIN", "KEEP"]
+__all__ = ["tune", "shortlist", "behind", "decide", "main", "DEFAULT_SIZES", "SECONDS",
+           "MIN_ROUNDS", "PASSES", "MIN_GAIN"]
 
 # the sizes `mpidist bench allreduce` measures by default, so that each has its own row
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
 SECONDS = 1.5         # per size and pass: the time that sets the rounds
 MIN_ROUNDS = 7        # rounds per size and pass at least (at most 300)
-PASSES = 3            # the screening pass, then re-checks of the contenders
-CONTENDERS = 3        # re-checked: the rule's pick (unless clearly behind) and the fastest
+PASSES = 3            # passes over the ladder
 MIN_GAIN = 0.03       # another's worst pass must beat the rule's pick's by this
-KEEP = 1.25           # the rule's pick stays a contender when screened within this of the best
 
 
 def shortlist(model, comm, nbytes: int) -> list[str]:
@@ -50,17 +48,6 @@ def shortlist(model, comm, nbytes: int) -> list[str]:
     return names + ([ruled] if ruled not in names else [])
 
 
-def contenders(screened: dict, ruled: str) -> list[str]:
-    """The algorithms re-checked, from the screening pass's {name: seconds per round}: the
-    rule's pick first (the incumbent) if its median is within KEEP of the best, else the
-    best; then the fastest others, CONTENDERS in all."""
-    medians = {a: float(np.median(t)) for a, t in screened.items()}
-    order = sorted(medians, key=lambda a: medians[a])
-    incumbent = ruled if ruled in medians and medians[ruled] <= KEEP * medians[order[0]] \
-        else order[0]
-    return [incumbent] + [a for a in order if a != incumbent][:CONTENDERS - 1]
-
-
 def behind(times: dict, names) -> dict[str, float]:
     """Per name, how far it fell behind in one pass: the median over rounds of its time
     over the time, in the same round, of the pass's fastest (by median) of names."""
@@ -69,7 +56,7 @@ def behind(times: dict, names) -> dict[str, float]:
 
 
 def decide(worst: dict[str, float], incumbent: str, gain: float = MIN_GAIN) -> str:
-    """The pick from each contender's worst pass ({name: the largest `behind` over the
+    """The pick from each algorithm's worst pass ({name: the largest `behind` over the
     passes}): the least behind, the incumbent unless another is better by more than
     `gain`."""
     least = min(worst, key=lambda a: (worst[a], a != incumbent))
@@ -78,37 +65,34 @@ def decide(worst: dict[str, float], incumbent: str, gain: float = MIN_GAIN) -> s
 
 def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
          passes: int = PASSES) -> dict:
-    """Collective: screen and re-check at every size (reps rounds per size and pass, or as
-    many as fit in `seconds`); returns the table entry for comm's layout
-    (select.layout_of plus "sizes" rows and "measured" notes), the same on every rank."""
+    """Collective: time every algorithm at every size in `passes` passes over the ladder
+    (reps rounds per size and pass, or as many as fit in `seconds`); returns the table
+    entry for comm's layout (select.layout_of plus "sizes" rows and "measured" notes), the
+    same on every rank."""
     sizes = sorted(sizes)
     budget = dict(reps=reps, seconds=seconds, min_reps=MIN_ROUNDS)
     rules = [select.rule(comm, n) for n in sizes]
-    spent, screens = [0.0] * len(sizes), []
-    for k, n in enumerate(sizes):
-        # 1. screening: every algorithm, in the order of the model's predictions
-        t0 = time.perf_counter()
-        screens.append({"native": np.zeros(1)} if comm.size == 1 else timing.time_algorithms(
-            comm, shortlist(model, comm, n), n, seed=k, **budget))
-        spent[k] += time.perf_counter() - t0
-    tops = [contenders(s, r) for s, r in zip(screens, rules)]
-    passed = [[behind(s, top)] for s, top in zip(screens, tops)]
-    # 2. re-checks: the contenders alone, one pass over the ladder at a time
-    for p in range(1, passes if comm.size > 1 else 1):
-        for k, (n, top) in enumerate(zip(sizes, tops)):
-            if len(top) > 1:
-                t0 = time.perf_counter()
-                t = timing.time_algorithms(comm, top, n, seed=p * len(sizes) + k, **budget)
-                passed[k].append(behind(t, top))
-                spent[k] += time.perf_counter() - t0
+    names = [shortlist(model, comm, n) if comm.size > 1 else ["native"] for n in sizes]
+    spent, passed = [0.0] * len(sizes), [[] for _ in sizes]
+    times: list[dict] = [{a: [] for a in ns} for ns in names]
+    for p in range(passes if comm.size > 1 else 1):
+        for k, n in enumerate(sizes):         # a pass: every size, then the next pass
+            t0 = time.perf_counter()
+            t = {"native": np.ones(1)} if comm.size == 1 else \
+                timing.time_algorithms(comm, names[k], n, seed=p * len(sizes) + k, **budget)
+            spent[k] += time.perf_counter() - t0
+            passed[k].append(behind(t, names[k]))
+            for a in names[k]:
+                times[k][a].extend(t[a])
     measured = []
-    for n, s, top, done, rule, sec in zip(sizes, screens, tops, passed, rules, spent):
-        worst = {a: max(b[a] for b in done) for a in top}
-        pick = decide(worst, top[0], MIN_GAIN if top[0] == rule else 0.0)
+    for n, ns, done, t, rule, sec in zip(sizes, names, passed, times, rules, spent):
+        worst = {a: max(b[a] for b in done) for a in ns}
+        pick = decide(worst, rule if rule in ns else ns[0], MIN_GAIN)
         measured.append({"bytes": n, "pick": pick, "model": model.choose(n), "rule": rule,
-                         "behind": {a: [round(b[a], 3) for b in done] for a in top},
-                         "us": {a: round(float(np.median(t)) * 1e6, 1) for a, t in s.items()},
-                         "rounds": len(next(iter(s.values()))), "seconds": round(sec, 1)})
+                         "behind": {a: [round(b[a], 3) for b in done]
+                                    for a in sorted(ns, key=lambda a: worst[a])},
+                         "us": {a: round(float(np.median(t[a])) * 1e6, 1) for a in ns},
+                         "rounds": len(t[ns[0]]), "seconds": round(sec, 1)})
     rows = []
     for i, m in enumerate(measured):
         upto = None if i == len(measured) - 1 else \
@@ -186,12 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         write_table(args.out, entry, made)
         print(f"# {mpi_library()}; {c.describe()}")
         print(f"{'size':>8} {'pick':>19} {'rule':>12} {'model':>19} {'rounds':>6} {'s':>5}  "
-              f"contenders: behind the fastest, per pass; screened (us)")
+              f"least behind the fastest, per pass; median (us)")
         for m in entry["measured"]:
             timed = ", ".join(f"{a} {t:.1f}" for a, t in sorted(m["us"].items(),
                                                                   key=lambda kv: kv[1]))
             held = ", ".join(f"{a} " + " ".join(f"{b:.2f}" for b in bs)
-                             for a, bs in m["behind"].items())
+                             for a, bs in list(m["behind"].items())[:3])
             print(f"{format_size(m['bytes']):>8} {m['pick']:>19} {m['rule']:>12} "
                   f"{m['model']:>19} {m['rounds']:>6} {m['seconds']:5.1f}  {held}; {timed}")
         rows = ", ".join(f"{r['algorithm']} to {r['upto']}" if r["upto"] else
