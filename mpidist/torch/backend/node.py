@@ -67,10 +67,11 @@ class Node:
        digest (the guard);
     2. reduce: my chunk over every rank's input in rank order (mine from x, the others'
        from their slices), block by block, into my own slice and into y;
-    3. gather: barrier; every other rank's reduced chunk out of its slice into y.
+    3. gather: barrier; every other rank's reduced chunk out of its slice into y, each as
+       soon as that rank has arrived (so a rank copies while the others still reduce).
     Calls alternate between two regions of the window: a rank writes a region again only
-    after the barrier of the call in between, which every rank passes after its step 3 of
-    the call before; so two barriers per call. begin (step 1) and finish (the rest) split
+    after the first barrier of the call in between, which every rank passes after its step 3
+    of the call before; so two barriers per call. begin (step 1) and finish (the rest) split
     the call where the caller would wait for a rank that has not called yet.
     """
 
@@ -121,6 +122,24 @@ class Node:
                     time.sleep(nap)
                     nap = min(2 * nap, _NAP_MAX)
         return True
+
+    def _arrivals(self, seq: int):
+        """The other ranks, each as it arrives at barrier seq (waiting as _await does), so
+        the caller works on one while the others are still on their way."""
+        pending = [j for j in range(self.size) if j != self.rank]
+        polls, nap = 0, 20e-6
+        while pending:
+            ready = [j for j in pending if self._lines[j][0] >= seq]
+            if ready:
+                self._head.Sync()                        # their writes before the counter
+                for j in ready:
+                    pending.remove(j)
+                    yield j
+                continue
+            polls += 1
+            if polls > _SPINS:                           # back off: leave the core
+                time.sleep(nap)
+                nap = min(2 * nap, _NAP_MAX)
 
     def _agreed(self, slot: int, digest: int | None) -> bool:
         """After every rank arrived: whether they all wrote my digest in the slot."""
@@ -229,11 +248,10 @@ class Node:
             counts, displs, part, y = call.counts, call.displs, call.part, call.y
             lo = displs[self.rank]
             self._reduce_chunk(part, call.own, lo, lo + counts[self.rank], call.op, y)
-            # 3. the others' reduced chunks
-            self._barrier()
-            for j in range(self.size):
-                if j != self.rank:
-                    y[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
+            # 3. the others' reduced chunks, each once its rank has reduced it
+            self._arrive(None)
+            for j in self._arrivals(self._seq):
+                y[displs[j]:displs[j] + counts[j]] = part[j][displs[j]:displs[j] + counts[j]]
         finally:
             flight.end(call.entry)
 
