@@ -4,8 +4,9 @@ digest and, for a small host allreduce, the data itself.
 A check of its own costs a message round trip per collective, about what a small
 MPI_Allreduce costs. So the record is [d, -d, meta, flag | payload of CARRY bytes], reduced
 by one user-defined MPI op (a Numba C callback): the header by MAX, and the payload by the
-call's op when both sides' headers agree, so a small native allreduce and its check are a
-single message. After the reduction max(d) == -max(-d) and flag == 0 exactly when every
+call's op when both sides' headers agree. A native allreduce of at most CARRY bytes and its
+check are a single message; a larger one sends its first CARRY bytes in the ballot and only
+the rest apart, so its check adds no bytes. After the reduction max(d) == -max(-d) and flag == 0 exactly when every
 rank voted the same digest and metadata (n, dtype, op): the guard's agreement test.
 
 Every ballot has the same size, carried data or not, so ranks that disagree on whether
@@ -209,21 +210,25 @@ class Ballot:
         return rc == 0
 
     def vote_reduce(self, digest: int, x, y, op):
-        """vote(), also reducing host array x into y by op: True or False as vote(), with the
-        result in y when True; None (nothing sent) when x can not ride in the ballot, where
-        the caller votes and reduces apart."""
+        """vote(), also reducing host array x into y by op, as much of it as fits: returns
+        the number of leading elements reduced into y (the rest is the caller's), -1 when
+        the ranks differ (y untouched), or None (nothing sent) when x can not ride."""
         code = _DTYPES.get(x.dtype)
-        if (code is None or x.nbytes > self.capacity or type(x) is not np.ndarray
-                or type(y) is not np.ndarray):
+        if code is None or not self.capacity or type(x) is not np.ndarray \
+                or type(y) is not np.ndarray:
             return None
-        rc = _cast(self.state, x, y, digest, x.size << 8 | code << 4 | _OPS[op.name])
+        k = x.size
+        if x.nbytes > self.capacity:
+            k = self.capacity // x.itemsize
+            x, y = x[:k], y[:k]
+        rc = _cast(self.state, x, y, digest, k << 8 | code << 4 | _OPS[op.name])
         if rc:
             if rc > 0:
                 raise MPI.Exception(rc)
-            return False
+            return -1
         if op.average:
             op.finalize(y, self.size)
-        return True
+        return k
 
 
 def of(comm) -> Ballot:

@@ -110,8 +110,9 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
     itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
     every rank holding the same table: the guard compares the resolved name too); entry is
     the call's flight record, which the caller ends (flight.end) once the reduction is
-    complete. carry: a small native allreduce may be done by the check itself
-    (guard.check_reduce); the name returned is then None, nothing is left to run.
+    complete. carry: a native allreduce's first elements may be reduced by the check itself
+    (guard.check_reduce); x and y are then what is left to reduce, and the name None when
+    nothing is.
     """
     c = as_communicator(comm)
     error, signature, name = None, None, algorithm
@@ -132,8 +133,10 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
     except (TypeError, ValueError) as exc:
         error = exc
     if carry and error is None and name == "native":
-        entry, reduced = guard.check_reduce(c, signature, error, x, y, opx)
-        return c, x, y, opx, None if reduced else name, entry
+        entry, k = guard.check_reduce(c, signature, error, x, y, opx)
+        if k == x.size:
+            return c, x, y, opx, None, entry
+        return c, x[k:], y[k:], opx, name, entry
     entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry
 

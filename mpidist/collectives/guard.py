@@ -4,8 +4,8 @@ of hanging in mismatched messages.
 
 Every call is checked, by one MPI_Allreduce of a ballot (ballot.py) holding the signature's
 digest d and -d under MAX: max(d) == -max(-d) exactly when every rank has the same d (a rank
-with an argument error votes a value no digest takes). A small host allreduce rides in the
-ballot itself (check_reduce), so its check costs no message of its own. Only a failed check
+with an argument error votes a value no digest takes). A native host allreduce rides in the
+ballot itself (check_reduce): a small one whole, so its check costs no message of its own. Only a failed check
 exchanges the full signatures, to say who differs. Each checked call goes on the flight recorder (flight.py), whose watchdog
 ends a job whose call never finishes. Modes (env MPIDIST_GUARD or set_mode()): "on" (the
 default; "first" and "always" are older names of it) or "off" (no check, no record: a rank
@@ -85,24 +85,25 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
 
 
 def check_reduce(comm, signature: tuple | None, error, x, y, op):
-    """check() for an allreduce of x into y by op, which also reduces it in the same message
-    when it is small enough (Ballot.vote_reduce). Returns (entry, reduced): when not reduced
-    (the guard is off, an error, or x too large) the caller runs the allreduce itself."""
+    """check() for an allreduce of x into y by op, which also reduces x's first elements in
+    the same message (Ballot.vote_reduce). Returns (entry, k): the first k elements of y
+    hold the result (k == 0 with the guard off, an argument error or data that can not
+    ride); the caller reduces the rest."""
     if error is not None or comm.size == 1 or (_state["mode"] or get_mode()) == "off":
-        return check(comm, signature, error), False
+        return check(comm, signature, error), 0
     entry = flight.begin(comm, signature)
     try:
-        agreed = (comm.ballot or ballot.of(comm)).vote_reduce(
+        k = (comm.ballot or ballot.of(comm)).vote_reduce(
             _digests.get(signature) or _digest(signature), x, y, op)
-        if agreed is None:
+        if k is None:
             flight.end(entry)
-            return check(comm, signature), False
-        if not agreed:
+            return check(comm, signature), 0
+        if k < 0:
             _explain(comm, signature, None)
     except BaseException:
         flight.end(entry)
         raise
-    return entry, True
+    return entry, k
 
 
 def _explain(comm, signature, error) -> None:

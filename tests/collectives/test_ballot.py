@@ -1,6 +1,6 @@
-"""The guard's ballot: a small native allreduce rides in the check's own message and gives
-MPI_Allreduce's result; the two-word form (no user op) checks as well; mismatches across
-the carried size are caught."""
+"""The guard's ballot: a native allreduce rides in the check's own message (a small one
+whole, a larger one's head) and gives MPI_Allreduce's result; the two-word form (no user
+op) checks as well; mismatches across the carried size are caught."""
 import time
 
 import numpy as np
@@ -11,7 +11,7 @@ from mpidist.collectives import allgather, allreduce, ballot, core, guard
 from mpidist.comm import Communicator
 from mpidist.errors import MismatchError
 
-SMALL = (1, 3, 255, 256)          # up to 1 KiB of float32: inside the ballot
+SIZES = (1, 3, 255, 256, 257, 1000)   # float32 up to 256 elements: whole in the ballot
 
 
 @pytest.fixture(params=["carried", "plain"])
@@ -29,12 +29,12 @@ def _grid(comm):
     cases = []
     for dt in DTYPES:
         for op in MPI_OPS:
-            for n in SMALL:
+            for n in SIZES:
                 cases.append((dt, op, n, make(comm.rank, dt, op, n, len(cases))))
     return cases
 
 
-def test_small_allreduce_with_the_guard_on_equals_mpi(ballot_comm):
+def test_allreduce_with_the_guard_on_equals_mpi(ballot_comm):
     comm = ballot_comm
     cases = _grid(comm)
     refs = references(comm, cases)
