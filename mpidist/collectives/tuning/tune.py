@@ -6,9 +6,9 @@
 Each pass over the ladder times, at every size, every algorithm in interleaved rounds
 (timing.time_algorithms: the same numbers on every rank, as many rounds as fit in a time
 budget), so that each is timed beside all the others, as a benchmark times it, at PASSES
-moments of a drifting machine. `decide` picks the algorithm whose worst pass is least behind
-that pass's fastest, and keeps the built-in rule's pick unless another's worst pass is
-better by more than MIN_GAIN. A pick wins the sizes up to the geometric middle to the next
+moments of a drifting machine. `decide` picks the algorithm least behind each pass's fastest
+on average, and keeps the built-in rule's pick unless another's margin over it is larger
+than MIN_GAIN and than its spread over the passes. A pick wins the sizes up to the geometric middle to the next
 size. Rank 0 writes the table (select.FORMAT) with the timings as notes; an existing file
 keeps its other layouts. Point a job at it with [parallel] algorithm_table or env
 MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
@@ -36,7 +36,7 @@ DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
 SECONDS = 1.5         # per size and pass: the time that sets the rounds
 MIN_ROUNDS = 7        # rounds per size and pass at least (at most 300)
 PASSES = 3            # passes over the ladder
-MIN_GAIN = 0.03       # another's worst pass must beat the rule's pick's by this
+MIN_GAIN = 0.03       # another must beat the rule's pick by this at least, on average
 
 
 def shortlist(model, comm, nbytes: int) -> list[str]:
@@ -55,12 +55,16 @@ def behind(times: dict, names) -> dict[str, float]:
     return {a: max(1.0, float(np.median(times[a] / times[best]))) for a in names}
 
 
-def decide(worst: dict[str, float], incumbent: str, gain: float = MIN_GAIN) -> str:
-    """The pick from each algorithm's worst pass ({name: the largest `behind` over the
-    passes}): the least behind, the incumbent unless another is better by more than
-    `gain`."""
-    least = min(worst, key=lambda a: (worst[a], a != incumbent))
-    return least if worst[least] * (1.0 + gain) < worst[incumbent] else incumbent
+def decide(passes: list[dict], incumbent: str, gain: float = MIN_GAIN) -> str:
+    """The pick from each pass's `behind`: the algorithm least behind on average over the
+    passes; the incumbent unless that one's mean margin over it is larger than both `gain`
+    and the margin's spread (its standard error over the passes)."""
+    mean = {a: float(np.mean([b[a] for b in passes])) for a in passes[0]}
+    least = min(mean, key=lambda a: (mean[a], a != incumbent))
+    margins = [b[incumbent] - b[least] for b in passes]
+    spread = float(np.std(margins, ddof=1) / math.sqrt(len(margins))) if len(margins) > 1 \
+        else 0.0
+    return least if mean[incumbent] - mean[least] > max(gain, spread) else incumbent
 
 
 def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
@@ -86,11 +90,10 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
                 times[k][a].extend(t[a])
     measured = []
     for n, ns, done, t, rule, sec in zip(sizes, names, passed, times, rules, spent):
-        worst = {a: max(b[a] for b in done) for a in ns}
-        pick = decide(worst, rule if rule in ns else ns[0], MIN_GAIN)
+        pick = decide(done, rule if rule in ns else ns[0], MIN_GAIN)
         measured.append({"bytes": n, "pick": pick, "model": model.choose(n), "rule": rule,
                          "behind": {a: [round(b[a], 3) for b in done]
-                                    for a in sorted(ns, key=lambda a: worst[a])},
+                                    for a in sorted(ns, key=lambda a: sum(b[a] for b in done))},
                          "us": {a: round(float(np.median(t[a])) * 1e6, 1) for a in ns},
                          "rounds": len(t[ns[0]]), "seconds": round(sec, 1)})
     rows = []
