@@ -8,7 +8,7 @@ partitioning, an executor with nonblocking transfers (pipeline.executor), per-st
 
 See docs/ARCHITECTURE.md (pipeline).
 """
-from mpidist.pipeline.partition import balanced_bounds, by_cost, by_cuts, by_params, stage_bounds
+from mpidist.pipeline.cuts import balanced_bounds, by_cost, by_cuts, by_params, stage_bounds
 from mpidist.pipeline.actions import Action, Schedule
 from mpidist.pipeline.schedules import (PIPELINE_SCHEDULES, build_schedule, format_grid, gpipe,
                                         ideal_bubble, interleaved_1f1b, one_f_one_b)

@@ -29,7 +29,7 @@ from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.pipeline.executor import PipelineExecutor
-from mpidist.pipeline.partition import measure_layer_costs, stage_bounds
+from mpidist.pipeline.cuts import measure_layer_costs, stage_bounds
 from mpidist.pipeline.schedules import build_schedule
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
 from mpidist.pipeline.timing import gather_events, plot_timeline

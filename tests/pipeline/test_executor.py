@@ -5,7 +5,7 @@ from mpi4py import MPI
 
 from mpidist.nn import GPT, MLP, Dropout, Linear, Sequential, SoftmaxCrossEntropy, materialize
 from mpidist.pipeline.executor import PipelineExecutor
-from mpidist.pipeline.partition import by_params
+from mpidist.pipeline.cuts import by_params
 from mpidist.pipeline.schedules import build_schedule
 from mpidist.pipeline.transport import single_copy
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers

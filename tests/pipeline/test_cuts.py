@@ -1,11 +1,11 @@
-"""Stage partitioning and the model as pipeline layers, without MPI."""
+"""Stage cuts (pipeline.cuts) and the model as pipeline layers, without MPI."""
 import itertools
 
 import numpy as np
 import pytest
 
 from mpidist.nn import CNN, GPT, MLP, materialize
-from mpidist.pipeline.partition import (balanced_bounds, by_cost, by_cuts, by_params,
+from mpidist.pipeline.cuts import (balanced_bounds, by_cost, by_cuts, by_params,
                                         measure_layer_costs, stage_bounds)
 from mpidist.pipeline.stage import Stage, local_stages, materialize_stages, pipeline_layers
 
