@@ -218,7 +218,9 @@ class Group(Movement):
         rank that calls later, e.g. after a message from this one). Whether it started.
 
         Why: with a core per rank, the worker only takes turns with the caller's backward on
-        one core; done here, the bucket costs no thread hand-offs and switches."""
+        one core; done here, the bucket costs no thread hand-offs and switches. Assumes one
+        thread calls the group's collectives at a time (as one call order on every rank
+        needs): two threads at once could both find the worker idle."""
         if self._pool is None or self._queued or t.device.type != "cpu":
             return False
         plan = self._plan(op, factor, t)
