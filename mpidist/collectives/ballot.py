@@ -111,15 +111,16 @@ def _call_allreduce(typingctx, fn, sendbuf, recvbuf, count, datatype, op, comm):
 
 @njit(cache=True)
 def _cast(ballot, x, y, digest, meta):
-    """Vote digest with x as payload (meta describes it) through ballot (Ballot.state); on
-    agreement copy the reduced payload into y. Returns 0 (agreed), -1 (ranks differ) or
-    MPI's error code."""
+    """Vote digest with x's first meta >> 8 elements as payload (meta describes them) through
+    ballot (Ballot.state); on agreement copy the reduced payload into y's first elements.
+    Returns 0 (agreed), -1 (ranks differ) or MPI's error code."""
     handles = ballot[:_HANDLES].view(np.int64)
     record = ballot[_HANDLES:]
     header = record[:8 * _HEADER].view(np.int64)
     body = record[8 * _HEADER:]
+    nbytes = (meta >> 8) * x.itemsize
     xb = x.view(np.uint8)
-    for i in range(xb.size):
+    for i in range(nbytes):
         body[i] = xb[i]
     header[0] = digest
     header[1] = -digest
@@ -132,7 +133,7 @@ def _cast(ballot, x, y, digest, meta):
     if header[0] != -header[1] or header[3] != 0:
         return -1
     yb = y.view(np.uint8)
-    for i in range(yb.size):
+    for i in range(nbytes):
         yb[i] = body[i]
     return 0
 
@@ -217,17 +218,14 @@ class Ballot:
         if code is None or not self.capacity or type(x) is not np.ndarray \
                 or type(y) is not np.ndarray:
             return None
-        k = x.size
-        if x.nbytes > self.capacity:
-            k = self.capacity // x.itemsize
-            x, y = x[:k], y[:k]
+        k = x.size if x.nbytes <= self.capacity else self.capacity // x.itemsize
         rc = _cast(self.state, x, y, digest, k << 8 | code << 4 | _OPS[op.name])
         if rc:
             if rc > 0:
                 raise MPI.Exception(rc)
             return -1
         if op.average:
-            op.finalize(y, self.size)
+            op.finalize(y[:k], self.size)
         return k
 
 
