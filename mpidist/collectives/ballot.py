@@ -40,6 +40,9 @@ _DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2,
 _OPS = {"sum": 1, "avg": 1, "min": 2, "max": 3, "prod": 4}
 _HANDLES = 8 * 5                # Ballot.state's first bytes: the MPI handles _cast calls with
 _NOTHING = np.zeros(0, np.uint8)
+# MPI_User_function: void (void *invec, void *inoutvec, int *len, MPI_Datatype *datatype)
+_USER_FUNCTION = types.void(types.voidptr, types.voidptr, types.CPointer(types.int32),
+                            types.voidptr)
 
 
 # -- the MPI op: header by MAX, payload by the call's op --------------------------------------
@@ -60,10 +63,9 @@ def _reduce(x, y, start, n, op):
             y[i] *= x[i]
 
 
-@cfunc(types.void(types.voidptr, types.voidptr, types.CPointer(types.int32), types.voidptr),
-       cache=True)
 def _combine(invec, inoutvec, count, datatype):
-    """The MPI user function over one record (a ballot is always sent as count 1)."""
+    """The MPI user function over one record (a ballot is always sent as count 1); compiled
+    as a C callback by _make_op, on first use rather than at import."""
     a = carray(invec, (_HEADER,), np.int64)
     b = carray(inoutvec, (_HEADER,), np.int64)
     agree = a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[3] == 0 and b[3] == 0
@@ -169,7 +171,8 @@ def _make_op():
         else ctypes.c_int
     handle = handle_type()
     create.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(handle_type)]
-    if create(ctypes.c_void_p(_combine.address), 1, ctypes.byref(handle)) != 0:
+    combine = cfunc(_USER_FUNCTION, cache=True)(_combine)
+    if create(ctypes.c_void_p(combine.address), 1, ctypes.byref(handle)) != 0:
         return None
     address = ctypes.cast(allreduce, ctypes.c_void_p).value
     return address, MPI.Op.fromhandle(handle.value), MPI.BYTE.Create_contiguous(_RECORD).Commit()
