@@ -136,7 +136,9 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
         entry, k = guard.check_reduce(c, signature, error, x, y, opx)
         if k == x.size:
             return c, x, y, opx, None, entry
-        return c, x[k:], y[k:], opx, name, entry
+        if k:
+            return c, x[k:], y[k:], opx, name, entry
+        return c, x, y, opx, name, entry
     entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry
 
