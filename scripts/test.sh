@@ -19,6 +19,8 @@ fi
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$HOME/.cache/mpidist/numba}
 # the torch backend's C++ extension, built once per torch version and cached, so that its
 # tests do not wait for the compiler
+# the mismatch guard's compiled ballot, likewise (its first compile takes seconds)
+python -c 'from mpidist.collectives.ballot import compile_kernels; compile_kernels()' || echo "[test] the guard's ballot did not compile" >&2
 if python -c 'import torch' 2>/dev/null; then
   python -m mpidist.torch.backend >/dev/null || echo "[test] the mpidist torch backend did not build" >&2
 fi

@@ -23,13 +23,14 @@ from __future__ import annotations
 import ctypes
 import os
 
+import numba
 import numpy as np
 from llvmlite import ir
 from mpi4py import MPI
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-__all__ = ["CARRY", "Ballot", "of"]
+__all__ = ["CARRY", "Ballot", "of", "compile_kernels"]
 
 CARRY = 1024                    # payload bytes: allreduces up to this size ride in the ballot
 _HEADER = 4                     # int64 words: d, -d, meta, flag
@@ -111,11 +112,13 @@ def _call_allreduce(typingctx, fn, sendbuf, recvbuf, count, datatype, op, comm):
     return sig, codegen
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _cast(ballot, x, y, digest, meta):
     """Vote digest with x's first meta >> 8 elements as payload (meta describes them) through
     ballot (Ballot.state); on agreement copy the reduced payload into y's first elements.
-    Returns 0 (agreed), -1 (ranks differ) or MPI's error code."""
+    Returns 0 (agreed), -1 (ranks differ) or MPI's error code. Without the GIL, as mpi4py
+    calls MPI: the watchdog thread must run while a rank waits here for one that never
+    comes."""
     handles = ballot[:_HANDLES].view(np.int64)
     record = ballot[_HANDLES:]
     header = record[:8 * _HEADER].view(np.int64)
@@ -161,6 +164,18 @@ def _libmpi_function(name: str):
     return None
 
 
+def compile_kernels():
+    """Compile (or load from Numba's cache) the MPI callback and _cast for every payload
+    dtype, so that no call on the flight record waits for a compiler; returns the callback.
+    scripts/test.sh runs it once ahead of the tests."""
+    combine = cfunc(_USER_FUNCTION, cache=True)(_combine)
+    state = types.Array(types.uint8, 1, "C")
+    for dtype in (np.uint8, *_DTYPES):
+        data = types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
+        _cast.compile((state, data, data, types.int64, types.int64))
+    return combine
+
+
 def _make_op():
     """(MPI_Allreduce's address, MPI.Op of _combine, record datatype), or None where the MPI
     library's functions are out of ctypes' reach (or MPIDIST_BALLOT=plain)."""
@@ -171,8 +186,7 @@ def _make_op():
         else ctypes.c_int
     handle = handle_type()
     create.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(handle_type)]
-    combine = cfunc(_USER_FUNCTION, cache=True)(_combine)
-    if create(ctypes.c_void_p(combine.address), 1, ctypes.byref(handle)) != 0:
+    if create(ctypes.c_void_p(compile_kernels().address), 1, ctypes.byref(handle)) != 0:
         return None
     address = ctypes.cast(allreduce, ctypes.c_void_p).value
     return address, MPI.Op.fromhandle(handle.value), MPI.BYTE.Create_contiguous(_RECORD).Commit()

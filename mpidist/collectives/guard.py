@@ -68,15 +68,17 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
         if error is not None:
             raise error
         return None
-    entry = flight.begin(comm, signature)      # from here on a hang is on the record
     if comm.size == 1:                          # one rank agrees with itself
+        entry = flight.begin(comm, signature)
         if error is not None:
             flight.end(entry)
             raise error
         return entry
+    b = comm.ballot or ballot.of(comm)          # made (and compiled) before the record
+    entry = flight.begin(comm, signature)      # from here on a hang is on the record
     d = _ERROR if error is not None else _digests.get(signature) or _digest(signature)
     try:
-        if not (comm.ballot or ballot.of(comm)).vote(d) or error is not None:
+        if not b.vote(d) or error is not None:
             _explain(comm, signature, error)
     except BaseException:
         flight.end(entry)
@@ -91,10 +93,10 @@ def check_reduce(comm, signature: tuple | None, error, x, y, op):
     ride); the caller reduces the rest."""
     if error is not None or comm.size == 1 or (_state["mode"] or get_mode()) == "off":
         return check(comm, signature, error), 0
+    b = comm.ballot or ballot.of(comm)
     entry = flight.begin(comm, signature)
     try:
-        k = (comm.ballot or ballot.of(comm)).vote_reduce(
-            _digests.get(signature) or _digest(signature), x, y, op)
+        k = b.vote_reduce(_digests.get(signature) or _digest(signature), x, y, op)
         if k is None:
             flight.end(entry)
             return check(comm, signature), 0
