@@ -227,20 +227,27 @@ class Ballot:
             raise MPI.Exception(rc)
         return rc == 0
 
-    def vote_reduce(self, digest: int, x, y, op):
-        """vote(), also reducing host array x into y by op, as much of it as fits: returns
-        the number of leading elements reduced into y (the rest is the caller's), -1 when
-        the ranks differ (y untouched), or None (nothing sent) when x can not ride."""
+    def meta(self, x, y, op):
+        """What of allreduce(x) -> y by op rides in the ballot, as vote_reduce's `meta` (its
+        first meta >> 8 elements: all of x up to CARRY bytes), or None when x can not ride
+        (not host NumPy data of a supported dtype, or the plain form)."""
         code = _DTYPES.get(x.dtype)
         if code is None or not self.capacity or type(x) is not np.ndarray \
                 or type(y) is not np.ndarray:
             return None
         k = x.size if x.nbytes <= self.capacity else self.capacity // x.itemsize
-        rc = _cast(self.state, x, y, digest, k << 8 | code << 4 | _OPS[op.name])
+        return k << 8 | code << 4 | _OPS[op.name]
+
+    def vote_reduce(self, digest: int, x, y, op, meta: int) -> int:
+        """vote(), also reducing x's first k = meta >> 8 elements into y by op (meta from
+        meta()): returns k (the rest is the caller's), or -1 when the ranks differ (y
+        untouched)."""
+        rc = _cast(self.state, x, y, digest, meta)
         if rc:
             if rc > 0:
                 raise MPI.Exception(rc)
             return -1
+        k = meta >> 8
         if op.average:
             op.finalize(y[:k], self.size)
         return k

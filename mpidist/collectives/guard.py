@@ -94,12 +94,12 @@ def check_reduce(comm, signature: tuple | None, error, x, y, op):
     if error is not None or comm.size == 1 or (_state["mode"] or get_mode()) == "off":
         return check(comm, signature, error), 0
     b = comm.ballot or ballot.of(comm)
+    meta = b.meta(x, y, op)
+    if meta is None:
+        return check(comm, signature), 0
     entry = flight.begin(comm, signature)
     try:
-        k = b.vote_reduce(_digests.get(signature) or _digest(signature), x, y, op)
-        if k is None:
-            flight.end(entry)
-            return check(comm, signature), 0
+        k = b.vote_reduce(_digests.get(signature) or _digest(signature), x, y, op, meta)
         if k < 0:
             _explain(comm, signature, None)
     except BaseException:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from .collectives_data import DTYPES, MPI_OPS, close, make, references
-from mpidist.collectives import allgather, allreduce, ballot, core, guard
+from mpidist.collectives import allgather, allreduce, ballot, core, flight, guard
 from mpidist.comm import Communicator
 from mpidist.errors import MismatchError
 
@@ -95,3 +95,14 @@ def test_guard_off_still_reduces(comm):
         assert allreduce(np.ones(5), algorithm="native", comm=comm)[0] == comm.size
     finally:
         guard.set_mode(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_one_flight_record_per_call(comm, dtype):
+    """A call whose data rides in the ballot and one whose data can not (half precision is
+    widened apart) each leave exactly one entry on the flight record."""
+    allreduce(np.ones(4, dtype), algorithm="native", comm=comm)
+    before = flight.records(comm)[-1]["seq"]
+    allreduce(np.ones(4, dtype), algorithm="native", comm=comm)
+    rec = flight.records(comm)
+    assert rec[-1]["seq"] == before + 1 and "n=4" in rec[-1]["call"], rec[-3:]
