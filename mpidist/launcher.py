@@ -1,7 +1,8 @@
 """The one place that knows how to start MPI ranks on this kind of machine.
 
 Open MPI as root needs OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM); more ranks than cores needs
-oversubscription, which also makes idle ranks yield the core instead of busy-polling. Open
+oversubscription, which also makes idle ranks yield the core instead of busy-polling, and
+binds the ranks round-robin to the cores (the same placement in every launch). Open
 MPI's single-copy transport between ranks of a node (CMA, process_vm_readv) is left on where
 this machine permits it and switched off where a container forbids it, which a quick probe
 decides: without it every large message is copied twice through shared fragments and moves
@@ -167,7 +168,12 @@ def mpiexec_argv(n: int, argv: list[str], ft: bool = False) -> list[str]:
         raise ValueError(f"number of ranks must be >= 1, got {n}")
     cmd = [_mpiexec()]
     if mpi_vendor() == "openmpi":
-        cmd += ["--oversubscribe", "--bind-to", "none"]
+        # more ranks than cores: ranks go round-robin onto the cores and stay there, so which
+        # ranks share a core (it decides which algorithm is fastest for large messages) is the
+        # same in every launch, for `mpidist tune` and for the job that reads its table
+        bind = ["--map-by", "core", "--bind-to", "core:overload-allowed"] \
+            if int(n) > (os.cpu_count() or 1) else ["--bind-to", "none"]
+        cmd += ["--oversubscribe", *bind]
     if ft:
         cmd += ["--with-ft", "ulfm"]
     return cmd + ["-n", str(int(n))] + list(argv)

@@ -1,4 +1,5 @@
 """The harness itself: deadlocks fail within the timeout; one rank's failure fails all."""
+import json
 import os
 import shutil
 import subprocess
@@ -121,6 +122,35 @@ def test_single_copy_is_switched_off_only_where_the_probe_forbids_it():
     # one-sided windows take Open MPI's default component, as under a plain mpiexec
     assert "OMPI_MCA_osc" not in env
     assert launcher.mpi_env(2, {**base, key: "cma"})[key] == "cma"
+
+
+@pytest.mark.launcher
+def test_ranks_beyond_the_cores_sit_on_the_same_cores_in_every_launch(tmp_path):
+    """More ranks than cores: each rank is bound to one core, round-robin, the same in two
+    launches (which ranks share a core decides which algorithm is fastest, so a table
+    tuned in one launch must hold in the next); with a core each, ranks are not bound."""
+    if launcher.mpi_vendor() != "openmpi":
+        pytest.skip("the binding options are Open MPI's")
+    cores = os.cpu_count() or 1
+    if len(os.sched_getaffinity(0)) < cores:       # e.g. under a plain `mpiexec -n 1`
+        pytest.skip("this process is bound to fewer cores than the machine has")
+    show = ("import json, os; from mpi4py import MPI; "
+            "cpus = MPI.COMM_WORLD.gather(sorted(os.sched_getaffinity(0))); "
+            "MPI.COMM_WORLD.rank or print(json.dumps(cpus))")
+
+    def placement(n):          # each rank's cores, in rank order
+        res = launcher.run(n, [sys.executable, "-c", show], timeout=120, capture_output=True,
+                           text=True, env=launcher.without_job_variables(os.environ),
+                           cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    first = placement(cores + 1)
+    assert all(len(c) == 1 for c in first), first
+    assert len({c[0] for c in first}) == cores, first             # every core used
+    assert placement(cores + 1) == first
+    if cores > 1:
+        assert all(len(c) == cores for c in placement(2)), "ranks with a core each: unbound"
 
 
 @pytest.mark.launcher
