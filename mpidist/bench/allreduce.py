@@ -30,8 +30,8 @@ from mpidist.collectives import ALGORITHMS, allreduce, flight, select
 from mpidist.collectives.core import prepare_allreduce
 from mpidist.collectives.ops import accumulator_dtype
 from mpidist.collectives.tuning import costmodel
-from mpidist.collectives.tuning.costmodel import (STATE_BYTES, STATE_TOLERANCE, state_held,
-                                                  time_rounds)
+from mpidist.collectives.tuning.timing import (STATE_BYTES, STATE_TOLERANCE, state_held,
+                                              time_calls)
 from mpidist.comm import Communicator, mpi_library
 from mpidist.partition import chunk
 from mpidist.sizes import format_size, parse_sizes
@@ -39,7 +39,7 @@ from mpidist.sizes import format_size, parse_sizes
 __all__ = ["main", "textbook_ring"]
 
 DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
-MIN_ROUNDS = 9
+MIN_ROUNDS = 15
 DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
           "bfloat16": np.dtype(ml_dtypes.bfloat16), "float64": np.dtype(np.float64),
           "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
@@ -72,7 +72,8 @@ def _parse(argv):
     p.add_argument("--algorithms", default=",".join(every),
                    help=f"algorithms to run (default: {','.join(every)})")
     p.add_argument("--reps", type=int, default=400,
-                   help="timed rounds per size at most (fewer for large sizes, at least 9)")
+                   help=f"timed rounds per size at most (fewer for large sizes, at least "
+                        f"{MIN_ROUNDS})")
     p.add_argument("--seconds", type=float, default=1.0,
                    help="time budget per point (size x algorithm), which caps the rounds")
     p.add_argument("--seed", type=int, default=0,
@@ -103,31 +104,27 @@ def _parse(argv):
 
 
 def _time_size(comm, algorithms, x: np.ndarray, reps: int, seconds: float, seed: int):
-    """{algorithm: (seconds per round, result ok)} and the rounds, for one size.
-
-    One checked warm-up call each (scratch buffers, windows), then interleaved rounds
-    (costmodel.time_rounds), as many as fit in about `seconds` per algorithm, at least
-    MIN_ROUNDS, at most reps."""
+    """{algorithm: (seconds per round, result ok)} and the rounds, for one size: one checked
+    warm-up call each, then interleaved rounds (timing.time_calls), as many as fit in about
+    `seconds` per algorithm, at least MIN_ROUNDS, at most reps."""
 
     def call(alg):
         if alg == "textbook":
             return lambda: textbook_ring(comm, x)
         return lambda: allreduce(x, algorithm=alg, comm=comm)
 
-    calls = {alg: call(alg) for alg in algorithms}
-    first, ok = [], []
-    for alg, fn in calls.items():
-        x[...] = 1.0
-        t0 = time.perf_counter()
-        fn()
-        first.append(time.perf_counter() - t0)
-        ok.append(bool(x[0] == comm.size and x[-1] == comm.size))
-    first = comm.comm.allreduce(sum(first), op=MPI.MAX)
-    ok = np.array(ok, np.int32)
+    ok = np.array([0] * len(algorithms), np.int32)
+
+    def check(alg):
+        ok[algorithms.index(alg)] = x[0] == comm.size and x[-1] == comm.size
+
+    times = time_calls(comm, {alg: call(alg) for alg in algorithms}, reps=None,
+                       seconds=seconds * len(algorithms), min_reps=MIN_ROUNDS,
+                       max_reps=reps, seed=seed,
+                       setup=lambda: x.fill(1.0), warmed=check)
     comm.comm.Allreduce(MPI.IN_PLACE, ok, MPI.MIN)          # checked on every rank
-    n = max(MIN_ROUNDS, min(reps, int(seconds * len(algorithms) / max(first, 1e-9))))
-    times = time_rounds(comm, calls, n, seed=seed, setup=lambda: x.fill(1.0))
-    return {a: (times[a], bool(ok[j])) for j, a in enumerate(algorithms)}, n
+    return {a: (times[a], bool(ok[j])) for j, a in enumerate(algorithms)}, \
+        len(times[algorithms[0]])
 
 
 def _dispatch_cost(comm, nbytes: int, calls: int = 20000) -> dict:

@@ -114,6 +114,18 @@ def test_time_algorithms_runs_the_rounds_asked_or_the_budget(comm):
     assert len(set(comm.comm.allgather(many["native"].tobytes()))) == 1
 
 
+def test_time_calls_warms_up_and_checks_each_call_once_then_times_the_rounds(comm):
+    """Each call runs once untimed, with setup() before and warmed(name) after, then in as
+    many timed rounds as asked; setup() runs before every call."""
+    log = []
+    calls = {n: (lambda n=n: log.append(n)) for n in ("a", "b")}
+    times = timing.time_calls(comm, calls, reps=3, setup=lambda: log.append("setup"),
+                              warmed=lambda n: log.append(f"warmed {n}"))
+    assert log[:6] == ["setup", "a", "warmed a", "setup", "b", "warmed b"]
+    assert log[6:].count("a") == log[6:].count("b") == 3 and log[6:].count("setup") == 6
+    assert "warmed a" not in log[6:] and times["a"].shape == (3,)
+
+
 def _model(p=4, nodes=1, per_node=1):
     fits = {"ring": [50e-6, 0.4e-9], "tree": [30e-6, 0.5e-9], "dbtree": [60e-6, 0.6e-9],
             "shm": [100e-6, 0.9e-9],

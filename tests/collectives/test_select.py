@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpidist.bench import allreduce as bench_allreduce
-from mpidist.collectives import allreduce, flight, select
+from mpidist.collectives import ALGORITHMS, allreduce, flight, select, shm
 from mpidist.collectives.core import prepare_allreduce
 from mpidist.collectives.tuning import tune
 from mpidist.collectives.tuning.costmodel import CostModel
@@ -179,11 +179,12 @@ def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     assert [select.choose(comm, n) for n in sizes] == picks
 
 
-def test_shortlist_times_every_algorithm_and_the_rules_pick(comm):
-    model = _model(max(2, comm.size))
-    names = tune.shortlist(model, comm, 64 << 20)
-    assert names[0] == "ring" and select.rule(comm, 64 << 20) in names
-    assert set(model.candidates()) <= set(names)
+def test_tune_times_every_algorithm_the_benchmark_holds_auto_against(comm):
+    """The tuner's candidates are the benchmark's: the registry, shm only where usable."""
+    names = tune.candidates(comm)
+    assert "hierarchical" in names and select.rule(comm, 64 << 20) in names
+    runnable = set(ALGORITHMS) if shm.usable(comm) else set(ALGORITHMS) - {"shm"}
+    assert set(names) == runnable
 
 
 def test_the_tune_ladder_is_the_benchmark_sizes():

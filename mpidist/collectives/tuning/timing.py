@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from mpidist.collectives.core import allreduce
 
-__all__ = ["round_order", "time_rounds", "time_algorithms", "measure_all", "measure",
-           "machine_state", "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
+__all__ = ["round_order", "time_rounds", "time_calls", "time_algorithms", "measure_all",
+           "measure", "machine_state", "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
 
 STATE_BYTES = 256 << 10            # the machine_state reference: in the caches, between ranks
 STATE_TOLERANCE = 1.25             # a larger move of machine_state: another machine (25%: the
@@ -52,30 +52,45 @@ def time_rounds(comm, calls: dict, reps: int, *, seed: int = 0, setup=None) -> d
     return {a: times[:, j] for j, a in enumerate(names)}
 
 
-def time_algorithms(comm, algorithms, nbytes: int, *, reps: int | None = None,
-                    seconds: float = 1.0, min_reps: int = 5, max_reps: int = 300,
-                    seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-    """{algorithm: the slowest rank's seconds per round} for one public allreduce() of
-    nbytes, in interleaved rounds (time_rounds) after one warm-up call each: reps rounds,
-    or (reps None) as many as fit in `seconds`, within [min_reps, max_reps], as a second,
-    warm call of each says (min_reps where the first calls already took longer), judged by
-    the slowest rank so that every rank runs as many."""
-    x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
-    calls = {a: (lambda a=a: allreduce(x, algorithm=a, comm=comm)) for a in algorithms}
+def time_calls(comm, calls: dict, *, reps: int | None = None, seconds: float = 1.0,
+               min_reps: int = 5, max_reps: int = 300, seed: int = 0, setup=None,
+               warmed=None) -> dict[str, np.ndarray]:
+    """{name: the slowest rank's seconds per round} for calls, after one warm-up call each
+    (scratch, windows; warmed(name) runs after it, e.g. to check a result): time_rounds of
+    reps rounds, or (reps None) as many as fit in `seconds` in all, within [min_reps,
+    max_reps], as a second, warm call of each says (min_reps where the first calls already
+    took longer), judged by the slowest rank so that every rank runs as many. setup() runs
+    before every call, untimed. The one timing loop of the probe, the tuner and the bench."""
     t0 = time.perf_counter()
-    for call in calls.values():
-        call()                                           # warm-up: scratch, windows
+    for name, call in calls.items():
+        if setup is not None:
+            setup()
+        call()
+        if warmed is not None:
+            warmed(name)
     if reps is None:
         first = comm.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         reps = min_reps
         if first * min_reps < seconds:    # more may fit: a second, warm call each says
             t0 = time.perf_counter()
             for call in calls.values():
-                x.fill(1)
+                if setup is not None:
+                    setup()
                 call()
             warm = comm.comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
             reps = max(min_reps, min(max_reps, int(seconds / max(warm, 1e-9))))
-    return time_rounds(comm, calls, reps, seed=seed, setup=lambda: x.fill(1))
+    return time_rounds(comm, calls, reps, seed=seed, setup=setup)
+
+
+def time_algorithms(comm, algorithms, nbytes: int, *, reps: int | None = None,
+                    seconds: float = 1.0, min_reps: int = 5, max_reps: int = 300,
+                    seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """time_calls of one public allreduce() of nbytes per algorithm, on one buffer refilled
+    before each call."""
+    x = np.ones(max(1, nbytes // np.dtype(dtype).itemsize), dtype)
+    calls = {a: (lambda a=a: allreduce(x, algorithm=a, comm=comm)) for a in algorithms}
+    return time_calls(comm, calls, reps=reps, seconds=seconds, min_reps=min_reps,
+                      max_reps=max_reps, seed=seed, setup=lambda: x.fill(1))
 
 
 def measure_all(comm, algorithms, nbytes: int, reps: int = 3, dtype=np.float32,

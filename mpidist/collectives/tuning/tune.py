@@ -23,12 +23,13 @@ import time
 
 import numpy as np
 
-from mpidist.collectives import select
+from mpidist.collectives import select, shm
+from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.tuning import costmodel, timing
 from mpidist.comm import Communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
-__all__ = ["tune", "shortlist", "behind", "decide", "main", "DEFAULT_SIZES", "SECONDS",
+__all__ = ["tune", "candidates", "behind", "decide", "main", "DEFAULT_SIZES", "SECONDS",
            "MIN_ROUNDS", "PASSES", "MIN_GAIN"]
 
 # the sizes `mpidist bench allreduce` measures by default, so that each has its own row
@@ -39,13 +40,12 @@ PASSES = 3            # passes over the ladder
 MIN_GAIN = 0.03       # another must beat the rule's pick by this at least, on average
 
 
-def shortlist(model, comm, nbytes: int) -> list[str]:
-    """The algorithms screened at nbytes: every one the model knows on this layout, in the
-    order of its predictions (a model probed on a busy machine may be far off), then the
-    rule's pick if the model lacks it."""
-    names = sorted(model.candidates(), key=lambda a: model.predict(a, nbytes))
-    ruled = select.rule(comm, nbytes)
-    return names + ([ruled] if ruled not in names else [])
+def candidates(comm) -> list[str]:
+    """The algorithms timed at every size: every registered one that can run on comm, the
+    set `mpidist bench allreduce` holds auto against (hierarchical included: on one node it
+    runs the ring, and timing it beside the ring shows how far two timings of one code
+    differ)."""
+    return [a for a in ALGORITHMS if a != "shm" or shm.usable(comm)]
 
 
 def behind(times: dict, names) -> dict[str, float]:
@@ -76,7 +76,7 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
     sizes = sorted(sizes)
     budget = dict(reps=reps, seconds=seconds, min_reps=MIN_ROUNDS)
     rules = [select.rule(comm, n) for n in sizes]
-    names = [shortlist(model, comm, n) if comm.size > 1 else ["native"] for n in sizes]
+    names = [candidates(comm) if comm.size > 1 else ["native"] for n in sizes]
     spent, passed = [0.0] * len(sizes), [[] for _ in sizes]
     times: list[dict] = [{a: [] for a in ns} for ns in names]
     for p in range(passes if comm.size > 1 else 1):
@@ -136,7 +136,7 @@ def write_table(path: str, entry: dict, made: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mpidist tune`: probe, time the shortlists, write the table (rank 0)."""
+    """`mpidist tune`: time every algorithm at every size, write the table (rank 0)."""
     ap = argparse.ArgumentParser(prog="mpidist tune", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="allreduce-table.json",
                     help="the table file to write (default allreduce-table.json)")
