@@ -205,6 +205,7 @@ class Ballot:
             _shared["made"] = _make_op()
         made = _shared["made"]
         self.comm, self.size = comm.comm, comm.size
+        self.plans: dict = {}   # the guard's: call signature -> (digest, meta of host data)
         if made is None:                         # the plain form: two words, MPI_MAX
             self.state, self.capacity = None, 0
             self.votes = np.zeros(2, np.int64)

@@ -137,7 +137,8 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
         if k == x.size:
             return c, x, y, opx, None, entry
         if k:
-            return c, x[k:], y[k:], opx, name, entry
+            rest = x[k:]
+            return c, rest, rest if y is x else y[k:], opx, name, entry
         return c, x, y, opx, name, entry
     entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
+
 from mpidist.collectives import ballot, flight
 from mpidist.collectives.flight import describe
 from mpidist.errors import MismatchError, RemoteError, format_ranks
@@ -88,18 +90,27 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
 
 def check_reduce(comm, signature: tuple | None, error, x, y, op):
     """check() for an allreduce of x into y by op, which also reduces x's first elements in
-    the same message (Ballot.vote_reduce). Returns (entry, k): the first k elements of y
-    hold the result (k == 0 with the guard off, an argument error or data that can not
-    ride); the caller reduces the rest."""
+    the same message (Ballot.vote_reduce). The signature fixes x's length, dtype and op, so
+    what of host data rides is worked out once per signature. Returns (entry, k): the
+    first k elements of y hold the result (k == 0 with the guard off, an argument error or
+    data that can not ride); the caller reduces the rest."""
     if error is not None or comm.size == 1 or (_state["mode"] or get_mode()) == "off":
         return check(comm, signature, error), 0
     b = comm.ballot or ballot.of(comm)
-    meta = b.meta(x, y, op)
+    host = type(x) is np.ndarray and type(y) is np.ndarray
+    plan = b.plans.get(signature) if host else None
+    if plan is None:
+        plan = (_digest(signature), b.meta(x, y, op))
+        if host:
+            if len(b.plans) > 4096:
+                b.plans.clear()
+            b.plans[signature] = plan
+    d, meta = plan
     if meta is None:
         return check(comm, signature), 0
     entry = flight.begin(comm, signature)
     try:
-        k = b.vote_reduce(_digests.get(signature) or _digest(signature), x, y, op, meta)
+        k = b.vote_reduce(d, x, y, op, meta)
         if k < 0:
             _explain(comm, signature, None)
     except BaseException:
