@@ -110,9 +110,8 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
     itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
     every rank holding the same table: the guard compares the resolved name too); entry is
     the call's flight record, which the caller ends (flight.end) once the reduction is
-    complete. carry: a native allreduce's first elements may be reduced by the check itself
-    (guard.check_reduce); x and y are then what is left to reduce, and the name None when
-    nothing is.
+    complete. carry: a native allreduce may be done by the check itself (guard.check_reduce);
+    the name is then None.
     """
     c = as_communicator(comm)
     error, signature, name = None, None, algorithm
@@ -134,12 +133,7 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
         error = exc
     if carry and error is None and name == "native":
         entry, k = guard.check_reduce(c, signature, error, x, y, opx)
-        if k == x.size:
-            return c, x, y, opx, None, entry
-        if k:
-            rest = x[k:]
-            return c, rest, rest if y is x else y[k:], opx, name, entry
-        return c, x, y, opx, name, entry
+        return c, x, y, opx, None if k else name, entry
     entry = guard.check(c, signature, error)
     return c, x, y, opx, name, entry
 

@@ -4,12 +4,12 @@ of hanging in mismatched messages.
 
 Every call is checked, by one MPI_Allreduce of a ballot (ballot.py) holding the signature's
 digest d and -d under MAX: max(d) == -max(-d) exactly when every rank has the same d (a rank
-with an argument error votes a value no digest takes). A native host allreduce rides in the
-ballot itself (check_reduce): a small one whole, so its check costs no message of its own. Only a failed check
-exchanges the full signatures, to say who differs. Each checked call goes on the flight recorder (flight.py), whose watchdog
-ends a job whose call never finishes. Modes (env MPIDIST_GUARD or set_mode()): "on" (the
-default; "first" and "always" are older names of it) or "off" (no check, no record: a rank
-with a bad argument then raises alone). See docs/ARCHITECTURE.md (collectives).
+with an argument error votes a value no digest takes). A small native host allreduce rides
+in the ballot itself (check_reduce), so its check costs no message of its own. Only a
+failed check exchanges the full signatures, to say who differs. Each checked call goes on
+the flight recorder (flight.py), whose watchdog ends a job whose call never finishes.
+Modes (env MPIDIST_GUARD or set_mode()): "on" (the default; "first" and "always" are older
+names of it) or "off" (no check, no record: a rank with a bad argument then raises alone). See docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 
@@ -89,11 +89,11 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
 
 
 def check_reduce(comm, signature: tuple | None, error, x, y, op):
-    """check() for an allreduce of x into y by op, which also reduces x's first elements in
-    the same message (Ballot.vote_reduce). The signature fixes x's length, dtype and op, so
-    what of host data rides is worked out once per signature. Returns (entry, k): the
-    first k elements of y hold the result (k == 0 with the guard off, an argument error or
-    data that can not ride); the caller reduces the rest."""
+    """check() for an allreduce of x into y by op, which also reduces x in the same message
+    where it fits the ballot (Ballot.vote_reduce). The signature fixes x's length, dtype
+    and op, so whether host data can ride is worked out once per signature. Returns
+    (entry, k): k == x.size when y holds the result, else 0 (the guard off, an argument
+    error, data that did not ride) and the caller reduces x."""
     if error is not None or comm.size == 1 or (_state["mode"] or get_mode()) == "off":
         return check(comm, signature, error), 0
     b = comm.ballot or ballot.of(comm)

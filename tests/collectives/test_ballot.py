@@ -1,6 +1,7 @@
-"""The guard's ballot: a native allreduce rides in the check's own message (a small one
-whole, a larger one's head) and gives MPI_Allreduce's result; the two-word form (no user
-op) checks as well; mismatches across the carried size are caught."""
+"""The guard's ballot: a small native allreduce rides in the check's own message and gives
+MPI_Allreduce's result; the record's size (small or
+large) is agreed by every rank and follows the calls; the two-word form (no user op) checks
+as well; mismatches across the carried sizes are caught."""
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ from mpidist.collectives import allgather, allreduce, ballot, core, flight, guar
 from mpidist.comm import Communicator
 from mpidist.errors import MismatchError
 
-SIZES = (1, 3, 255, 256, 257, 1000)   # float32 up to 256 elements: whole in the ballot
+SIZES = (1, 3, 54, 55, 255, 256, 257, 1000)  # float32: up to 54 fit a small record, 256 a large
 
 
 @pytest.fixture(params=["carried", "plain"])
@@ -51,29 +52,95 @@ def test_allreduce_with_the_guard_on_equals_mpi(ballot_comm):
     assert not bad, f"{len(bad)} wrong cases, e.g. {bad[:5]}"
 
 
+def _record(comm):
+    """'small' or 'large': the size of comm's next ballot record, checked alike on every rank."""
+    handles = ballot.of(comm).state[:ballot._HANDLES].view(np.int64)
+    size = "large" if handles[2] == handles[6] else "small"
+    assert comm.comm.allgather(size) == [size] * comm.size
+    return size
+
+
+def _make_small(comm):
+    """Enough checks that carry at most a small record's payload for the record to be small."""
+    for _ in range(ballot.LINGER + 1):
+        allreduce(np.ones(2, np.float32), algorithm="native", comm=comm)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_small_allreduce_is_one_message(comm, monkeypatch):
     """With the guard on, a small native allreduce is done by the check itself: the
-    algorithm is never run apart."""
+    algorithm is never run apart. Up to SMALL bytes always; up to CARRY bytes once a call
+    of that size has made the record large."""
+    c = Communicator(comm.comm)
+    _make_small(c)
+    y = np.arange(256, dtype=np.float32)
+    allreduce(y.copy(), algorithm="native", comm=c)         # finds a small record
     def not_called(*args):
         raise AssertionError("the allreduce ran apart from the check")
     monkeypatch.setattr(core, "run_allreduce", not_called)
-    x = np.arange(256, dtype=np.float32)
-    assert np.array_equal(allreduce(x, algorithm="native", comm=comm),
-                          np.arange(256, dtype=np.float32) * comm.size)
+    for n in (ballot.SMALL // 4, 256, ballot.SMALL // 4, 256):
+        x = np.arange(n, dtype=np.float32)
+        assert np.array_equal(allreduce(x, algorithm="native", comm=c), y[:n] * c.size)
+    c.free()
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("mine,theirs", [(256, 257), (257, 256), (2, 3), (300, 301)])
-def test_lengths_across_the_carried_size_raise_everywhere(ballot_comm, mine, theirs):
-    """One rank's call rides in the ballot, the last rank's does not (or both, or neither)."""
+def test_the_record_size_follows_the_calls(comm):
+    """Every rank agrees on the next record's size: large right after a call that needs it,
+    small again after LINGER checks that do not."""
+    c = Communicator(comm.comm)
+    assert _record(c) == "large"
+    _make_small(c)
+    assert _record(c) == "small"
+    allgather(np.ones(2, np.float32), comm=c)         # a check that carries nothing
+    allreduce(np.ones(4096, np.float32), algorithm="native", comm=c)   # too large to ride
+    assert _record(c) == "small"
+    allreduce(np.ones(256, np.float32), algorithm="native", comm=c)
+    assert _record(c) == "large"
+    for _ in range(ballot.LINGER - 1):
+        allgather(np.ones(2, np.float32), comm=c)
+        assert _record(c) == "large"
+    allgather(np.ones(2, np.float32), comm=c)
+    assert _record(c) == "small"
+    c.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("record", ["small", "large"])
+def test_small_and_large_calls_mixed(comm, record):
+    """Calls that need a large record after small ones, from either record size: the
+    result is MPI_Allreduce's and the record ends large on every rank."""
+    c = Communicator(comm.comm)
+    if record == "small":
+        _make_small(c)
+    for n in (256, 2, 256):
+        x = np.full(n, c.rank + 1, np.float32)
+        allreduce(x, algorithm="native", comm=c)
+        assert np.all(x == c.size * (c.size + 1) // 2)
+    assert _record(c) == "large"
+    c.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("record", ["small", "large"])
+@pytest.mark.parametrize("mine,theirs", [(256, 257), (257, 256), (2, 3), (300, 301), (54, 55),
+                                         (2, 256), (256, 2)])
+def test_lengths_across_the_carried_size_raise_everywhere(ballot_comm, mine, theirs, record):
+    """One rank's call rides in the ballot, the last rank's does not (or both, or neither;
+    in a small record or a large one)."""
     comm = ballot_comm
+    if record == "small":
+        _make_small(comm)
+    else:
+        allreduce(np.ones(256, np.float32), algorithm="native", comm=comm)
     allreduce(np.ones(mine, np.float32), algorithm="native", comm=comm)
     n = theirs if comm.rank == comm.size - 1 else mine
     t0 = time.perf_counter()
     with pytest.raises(MismatchError, match=f"n={mine}.*n={theirs}|n={theirs}.*n={mine}"):
         allreduce(np.ones(n, np.float32), algorithm="native", comm=comm)
     assert time.perf_counter() - t0 < 2.0
+    if ballot.of(comm).state is not None:
+        _record(comm)                   # the next record's size is agreed all the same
     assert allreduce(np.ones(4), algorithm="native", comm=comm)[0] == comm.size
 
 
