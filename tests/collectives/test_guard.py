@@ -4,6 +4,7 @@ import time
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce, allreduce_async, flight, guard, reduce_scatter
 from mpidist.errors import MismatchError, RemoteError
@@ -140,3 +141,23 @@ def test_diagnose_a_rank_that_stopped_calling():
     assert "#3: ranks 0-1: allreduce(n=8); ranks 2: (no call)" in text
     dumps.pop()                        # rank 2 finished and left nothing
     assert "rank 2 left no record" in flight.diagnose(dumps, "0-3")
+
+
+def test_bench_guard_measures_each_variant(comm):
+    """bench guard's measure times the bare call and the guard off and on (figures not
+    checked), and leaves the guard's mode as it found it."""
+    from mpidist.bench import guard as bench
+    mode = guard.get_mode()
+    t = bench.measure(comm, [8, 1024], calls=10, rounds=2)
+    assert set(t) == {"MPI_Allreduce", "guard off", "guard on"} and min(t.values()) > 0
+    assert guard.get_mode() == mode
+
+
+def test_bench_guard_prints_a_row_per_size_and_the_mixed_row(capsys):
+    """`mpidist bench guard` (on the world, as the command runs) prints one row per size
+    and one for the mixed cycle."""
+    from mpidist.bench import guard as bench
+    assert bench.main(["--sizes", "8", "--mixed", "8+1K", "--calls", "10", "--rounds", "2"]) == 0
+    if MPI.COMM_WORLD.rank == 0:
+        rows = capsys.readouterr().out.splitlines()[2:]
+        assert [r.split()[0] for r in rows] == ["8", "8+1024"], rows
