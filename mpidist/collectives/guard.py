@@ -22,7 +22,7 @@ from mpidist.collectives import ballot, flight
 from mpidist.collectives.flight import describe
 from mpidist.errors import MismatchError, RemoteError, format_ranks
 
-__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "describe"]
+__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "describe", "digest"]
 
 MODES = ("on", "off")
 _ALIASES = {"1": "on", "0": "off", "first": "on", "always": "on"}
@@ -45,7 +45,7 @@ def get_mode() -> str:
     return _state["mode"]
 
 
-def _digest(signature) -> int:
+def digest(signature) -> int:
     """A digest of the signature that every process computes alike (Python's hash() of a
     string differs between processes), below 2**62 so that its negation fits an int64."""
     d = _digests.get(signature)
@@ -78,7 +78,7 @@ def check(comm, signature: tuple | None, error: BaseException | None = None):
         return entry
     b = comm.ballot or ballot.of(comm)          # made (and compiled) before the record
     entry = flight.begin(comm, signature)      # from here on a hang is on the record
-    d = _ERROR if error is not None else _digests.get(signature) or _digest(signature)
+    d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
     try:
         if not b.vote(d) or error is not None:
             _explain(comm, signature, error)
@@ -100,7 +100,7 @@ def check_reduce(comm, signature: tuple | None, error, x, y, op):
     host = type(x) is np.ndarray and type(y) is np.ndarray
     plan = b.plans.get(signature) if host else None
     if plan is None:
-        plan = (_digest(signature), b.meta(x, y, op))
+        plan = (digest(signature), b.meta(x, y, op))
         if host:
             if len(b.plans) > 4096:
                 b.plans.clear()

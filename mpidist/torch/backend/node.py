@@ -10,7 +10,6 @@ bits of mpidist's shm allreduce. The protocol: Node.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import NamedTuple
 
@@ -47,11 +46,6 @@ class _Call(NamedTuple):
     digest: int
 
 
-def _digest(signature) -> int:
-    raw = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-    return int.from_bytes(raw, "little") >> 2
-
-
 class Node:
     """The window of one process group whose ranks share a node (collective construction;
     used by one thread at a time: the caller's or the group's worker).
@@ -86,7 +80,6 @@ class Node:
         self._lines[self.rank][:] = 0
         self._seq = 0
         self._data, self._slices, self._capacity, self._parity = None, [], 0, 0
-        self._digests: dict = {}
         self._mpi.Barrier()
 
     # ------------------------------------------------------------------ the guard
@@ -149,12 +142,7 @@ class Node:
     def _vote(self, signature, error) -> int:
         if error is not None or signature is None:
             return _ERROR
-        d = self._digests.get(signature)
-        if d is None:
-            if len(self._digests) > 4096:
-                self._digests.clear()
-            d = self._digests[signature] = _digest(signature)
-        return d
+        return guard.digest(signature)
 
     def check(self, signature, error: BaseException | None = None) -> list:
         """The mismatch guard over the window: raise on every rank when any rank has an
