@@ -32,18 +32,18 @@ from mpi4py import MPI
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-__all__ = ["CARRY", "SMALL", "Ballot", "of", "compile_kernels"]
+__all__ = ["CARRY", "SMALL", "LINGER", "Ballot", "of", "compile_kernels"]
 
 CARRY = 1024                    # a large record's payload bytes: allreduces up to this ride whole
 SMALL = 216                     # a small record's payload bytes (the whole record: 256 bytes)
-LINGER = 64                     # checks a record stays large after a call that rode in one
+LINGER = 64                     # checks a record stays large after a call that needs one
 _HEADER = 5                     # int64 words: d, -d, meta, flag, want (a large record next)
 _RECORD = 8 * _HEADER + CARRY
 # meta = n << 8 | dtype << 4 | op, the payload's description (op 0: no payload)
 _DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2,
            np.dtype(np.int32): 3, np.dtype(np.int64): 4}
 _OPS = {"sum": 1, "avg": 1, "min": 2, "max": 3, "prod": 4}
-_HANDLES = 8 * 8                # Ballot.state's first bytes: the MPI handles _cast calls with
+_HANDLES = 8 * 8                # Ballot.state's first bytes: the words _cast works with
 # MPI_User_function: void (void *invec, void *inoutvec, int *len, MPI_Datatype *datatype)
 _USER_FUNCTION = types.void(types.voidptr, types.voidptr, types.CPointer(types.int32),
                             types.voidptr)
