@@ -9,7 +9,8 @@ in the ballot itself (check_reduce), so its check costs no message of its own. O
 failed check exchanges the full signatures, to say who differs. Each checked call goes on
 the flight recorder (flight.py), whose watchdog ends a job whose call never finishes.
 Modes (env MPIDIST_GUARD or set_mode()): "on" (the default; "first" and "always" are older
-names of it) or "off" (no check, no record: a rank with a bad argument then raises alone). See docs/ARCHITECTURE.md (collectives).
+names of it) or "off" (no check, no record: a rank with a bad argument then raises alone).
+See docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 

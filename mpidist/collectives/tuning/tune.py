@@ -8,10 +8,10 @@ Each pass over the ladder times, at every size, every algorithm in interleaved r
 budget), so that each is timed beside all the others, as a benchmark times it, at PASSES
 moments of a drifting machine. `decide` picks the algorithm least behind each pass's fastest
 on average, and keeps the built-in rule's pick unless another's margin over it is larger
-than MIN_GAIN and than its spread over the passes. A pick wins the sizes up to the geometric middle to the next
-size. Rank 0 writes the table (select.FORMAT) with the timings as notes; an existing file
-keeps its other layouts. Point a job at it with [parallel] algorithm_table or env
-MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
+than MIN_GAIN and than its spread over the passes. A pick wins the sizes up to the
+geometric middle to the next size. Rank 0 writes the table (select.FORMAT) with the timings
+as notes; an existing file keeps its other layouts. Point a job at it with [parallel]
+algorithm_table or env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -76,20 +76,20 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
     sizes = sorted(sizes)
     budget = dict(reps=reps, seconds=seconds, min_reps=MIN_ROUNDS)
     rules = [select.rule(comm, n) for n in sizes]
-    names = [candidates(comm) if comm.size > 1 else ["native"] for n in sizes]
+    ns = candidates(comm) if comm.size > 1 else ["native"]
     spent, passed = [0.0] * len(sizes), [[] for _ in sizes]
-    times: list[dict] = [{a: [] for a in ns} for ns in names]
+    times: list[dict] = [{a: [] for a in ns} for _ in sizes]
     for p in range(passes if comm.size > 1 else 1):
         for k, n in enumerate(sizes):         # a pass: every size, then the next pass
             t0 = time.perf_counter()
             t = {"native": np.ones(1)} if comm.size == 1 else \
-                timing.time_algorithms(comm, names[k], n, seed=p * len(sizes) + k, **budget)
+                timing.time_algorithms(comm, ns, n, seed=p * len(sizes) + k, **budget)
             spent[k] += time.perf_counter() - t0
-            passed[k].append(behind(t, names[k]))
-            for a in names[k]:
+            passed[k].append(behind(t, ns))
+            for a in ns:
                 times[k][a].extend(t[a])
     measured = []
-    for n, ns, done, t, rule, sec in zip(sizes, names, passed, times, rules, spent):
+    for n, done, t, rule, sec in zip(sizes, passed, times, rules, spent):
         pick = decide(done, rule if rule in ns else ns[0], MIN_GAIN)
         measured.append({"bytes": n, "pick": pick, "model": model.choose(n), "rule": rule,
                          "behind": {a: [round(b[a], 3) for b in done]
