@@ -71,7 +71,7 @@ def _parse(argv):
     every = ["native", "textbook", *(a for a in ALGORITHMS if a != "native"), "auto"]
     p.add_argument("--algorithms", default=",".join(every),
                    help=f"algorithms to run (default: {','.join(every)})")
-    p.add_argument("--reps", type=int, default=400,
+    p.add_argument("--reps", type=int, default=2000,
                    help=f"timed rounds per size at most (fewer for large sizes, at least "
                         f"{MIN_ROUNDS})")
     p.add_argument("--seconds", type=float, default=1.0,

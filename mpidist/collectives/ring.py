@@ -6,9 +6,11 @@ same schedule. Each rank reduces one chunk completely, its own; the allgather di
 that single copy, so every rank ends with the same bits. Per rank it moves 2(p-1)/p of the
 buffer, the bandwidth optimum.
 
-Chunks larger than one segment are pipelined: segments move with nonblocking calls and one
-is forwarded as soon as it has been reduced, so sending, receiving and reducing overlap
-along the ring. Smaller chunks take one Sendrecv per step over a cached schedule.
+Chunks larger than one segment are pipelined on rings of three or more: segments move with
+nonblocking calls and one is forwarded as soon as it has been reduced, so sending, receiving
+and reducing overlap along the ring. Smaller chunks, and two ranks (where nothing received
+is forwarded, so segments have nothing to overlap and only add handshakes), take one
+Sendrecv per step over a cached schedule.
 
 Cost: 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma.
 """
@@ -51,6 +53,12 @@ def _parse_segment_bytes(value: str | None) -> int:
     if seg < 1:
         raise ValueError(f"MPIDIST_SEGMENT_BYTES must be a positive number of bytes, got {value!r}")
     return seg
+
+
+def _whole_chunks(n: int, size: int, seg: int) -> bool:
+    """Whether the ring moves whole chunks, one Sendrecv per step, rather than segments:
+    every chunk fits one segment, or the ring has two ranks."""
+    return size <= 2 or n <= seg * size
 
 
 def segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
@@ -121,7 +129,7 @@ class _Pipeline:
 
 
 def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:
-    """The reduce-scatter steps of schedule `plan` for chunks of one segment, one blocking
+    """The reduce-scatter steps of schedule `plan` moving whole chunks, one blocking
     Sendrecv each, partial sums alternating between two scratch buffers; `mine` (the
     place of my chunk, which may be that chunk of sendbuf) receives my chunk's reduction."""
     mpi, p = comm.comm, comm.size
@@ -138,7 +146,7 @@ def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:
 
 
 def _allgather_unsegmented(comm, buf, plan) -> None:
-    """The allgather steps of schedule `plan` for chunks of one segment: pass the chunks of
+    """The allgather steps of schedule `plan` moving whole chunks: pass the chunks of
     buf on around the ring, one blocking Sendrecv each (buf holds my chunk already)."""
     mpi, p = comm.comm, comm.size
     left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
@@ -167,7 +175,7 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     if p == 1:
         if not same_view(shard, sendbuf):
             shard[...] = sendbuf
-    elif n <= seg * p:                                  # every chunk is one segment
+    elif _whole_chunks(n, p, seg):
         _reduce_scatter_unsegmented(comm, sendbuf, shard, op, schedule(n, r, p)[:p - 1])
     else:
         plan, part, work = steps(r, p)[:p - 1], _parts(sendbuf, n, p), _work(comm, n, sendbuf)
@@ -196,7 +204,7 @@ def allgather(comm, shard, out):
     seg = max(1, segment_bytes() // max(1, out.itemsize))
     if p == 1:
         return out
-    if n <= seg * p:                                    # every chunk is one segment
+    if _whole_chunks(n, p, seg):
         _allgather_unsegmented(comm, out, schedule(n, r, p)[p - 1:])
         return out
     plan = steps(r, p)[p - 1:]
@@ -222,7 +230,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
             recvbuf[...] = sendbuf
         return recvbuf
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
-    if n <= seg * p:                                    # every chunk is one segment
+    if _whole_chunks(n, p, seg):
         plan = schedule(n, r, p)
         lo, hi = plan[p - 2][2:]                        # my chunk, the last one reduced
         # 1. reduce-scatter

@@ -33,10 +33,12 @@ SMALL_BYTES = 256 << 10
 
 def rule(comm, nbytes: int) -> str:
     """The built-in choice: native for small messages (and one rank), then shm within one
-    node where usable, hierarchical on uniform multi-node layouts, ring otherwise."""
+    node of three or more ranks where usable, hierarchical on uniform multi-node layouts,
+    ring otherwise. (Two ranks take the ring: one exchange each way, which shm's copies in
+    and out of the window cannot beat.)"""
     if comm.size == 1 or nbytes <= SMALL_BYTES:
         return "native"
-    if shm.usable(comm):
+    if comm.size > 2 and shm.usable(comm):
         return "shm"
     if comm.num_nodes > 1 and comm.uniform_nodes and comm.local_size > 1:
         return "hierarchical"

@@ -53,7 +53,7 @@ def test_the_rule_without_a_table(comm):
     if comm.size == 1:
         expect = "native"
     elif comm.num_nodes == 1:
-        expect = "shm"
+        expect = "shm" if comm.size > 2 else "ring"
     elif comm.uniform_nodes and comm.local_size > 1:
         expect = "hierarchical"
     else:
@@ -205,6 +205,17 @@ def test_behind_pairs_each_round_with_the_fastest():
     ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], "rule")])
 def test_decide_keeps_the_rules_pick_unless_another_is_clearly_less_behind(rule, other, pick):
     passes = [{"rule": r, "other": o} for r, o in zip(rule, other)]
+    assert tune.decide(passes, "rule") == pick
+
+
+@pytest.mark.parametrize("native, other, pick", [
+    ([1.01, 1.00, 1.02], [1.0, 1.01, 1.0], "native"),     # a tie with the least: native
+    ([1.10, 1.12, 1.09], [1.0, 1.0, 1.0], "other"),       # clearly behind: the least
+    ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], "native")])
+def test_decide_gives_a_tie_the_rule_loses_to_native(native, other, pick):
+    """The rule's pick is clearly behind: a tie between the least behind and native goes to
+    native."""
+    passes = [{"rule": 1.3, "native": n, "other": o} for n, o in zip(native, other)]
     assert tune.decide(passes, "rule") == pick
 
 

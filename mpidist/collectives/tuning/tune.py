@@ -7,9 +7,9 @@ Each pass over the ladder times, at every size, every algorithm in interleaved r
 (timing.time_algorithms: the same numbers on every rank, as many rounds as fit in a time
 budget), so that each is timed beside all the others, as a benchmark times it, at PASSES
 moments of a drifting machine. `decide` picks the algorithm least behind each pass's fastest
-on average, and keeps the built-in rule's pick unless another's margin over it is larger
-than MIN_GAIN and than its spread over the passes. A pick wins the sizes up to the
-geometric middle to the next size. Rank 0 writes the table (select.FORMAT) with the timings
+on average; a tie (a margin within MIN_GAIN or its spread over the passes) goes to the
+built-in rule's pick, then to native. A pick wins the sizes up to the geometric middle to
+the next size. Rank 0 writes the table (select.FORMAT) with the timings
 as notes; an existing file keeps its other layouts. Point a job at it with [parallel]
 algorithm_table or env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
@@ -57,14 +57,24 @@ def behind(times: dict, names) -> dict[str, float]:
 
 def decide(passes: list[dict], incumbent: str, gain: float = MIN_GAIN) -> str:
     """The pick from each pass's `behind`: the algorithm least behind on average over the
-    passes; the incumbent unless that one's mean margin over it is larger than both `gain`
-    and the margin's spread (its standard error over the passes)."""
+    passes, unless it is not clearly ahead of the incumbent (the built-in rule's pick) or,
+    failing that, of native: ties go to the rule, then to the MPI library's own collective.
+    Clearly ahead: a mean margin larger than both `gain` and the margin's spread (its
+    standard error over the passes)."""
     mean = {a: float(np.mean([b[a] for b in passes])) for a in passes[0]}
-    least = min(mean, key=lambda a: (mean[a], a != incumbent))
-    margins = [b[incumbent] - b[least] for b in passes]
+    least = min(mean, key=lambda a: (mean[a], a != incumbent, a != "native"))
+    for keep in (incumbent, "native"):
+        if keep in mean and not _clearly_ahead(passes, least, keep, gain):
+            return keep
+    return least
+
+
+def _clearly_ahead(passes: list[dict], a: str, b: str, gain: float) -> bool:
+    """Whether a's mean margin over b across the passes exceeds gain and its spread."""
+    margins = [p[b] - p[a] for p in passes]
     spread = float(np.std(margins, ddof=1) / math.sqrt(len(margins))) if len(margins) > 1 \
         else 0.0
-    return least if mean[incumbent] - mean[least] > max(gain, spread) else incumbent
+    return float(np.mean(margins)) > max(gain, spread)
 
 
 def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
