@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import sys
 import threading
 
 from mpidist.collectives import shm
@@ -196,11 +197,11 @@ def choose(comm, nbytes: int) -> str:
     comm's layout, else rule(); deterministic. ValueError for an unreadable table."""
     plan = comm.auto_plan        # (generation, steps, first end, its name): on the communicator
     if plan is None or plan[0] != _generation[0]:
-        plan = comm.auto_plan = _plan(comm)    # read (and checked) even where one rank
-    if comm.size == 1 or nbytes <= 0:          # has nothing to reduce
+        plan = comm.auto_plan = _plan(comm)    # read and checked even on one rank
+    if 0 < nbytes <= plan[2]:                  # the first row, where most calls fall (one
+        return plan[3]                         # rank: every size)
+    if nbytes <= 0:                            # nothing to reduce
         return "native"
-    if nbytes <= plan[2]:                      # the first row, where most calls fall
-        return plan[3]
     if plan[1] is None:
         return rule(comm, nbytes)
     ends, names = plan[1]
@@ -213,10 +214,12 @@ def choose(comm, nbytes: int) -> str:
 def _plan(comm) -> tuple:
     """comm's row of the table in use, and the first size range, which choose() answers
     without a search: the table's first row (unless shm, which needs its check), or the
-    rule's native range."""
+    rule's native range; on one rank, native for every size."""
     table = _table()
     found = table.steps.get(_key(layout_of(comm))) if table is not None else None
-    if found is None:
+    if comm.size == 1:
+        first = (sys.maxsize, "native")
+    elif found is None:
         first = (SMALL_BYTES, "native")
     else:
         ends, names = found
@@ -229,7 +232,7 @@ def describe(comm) -> str:
     path = table_path()
     layout = ", ".join(f"{k} {v}" for k, v in layout_of(comm).items())
     rule_text = f"built-in rule (native up to {format_size(SMALL_BYTES)}, then shm on one " \
-                f"node, hierarchical on uniform nodes, else ring)"
+                f"node of three or more ranks, hierarchical on uniform nodes, else ring)"
     if path is None:
         return f"{rule_text}; no table (set {ENV_TABLE} or [parallel] algorithm_table)"
     table = _table()
