@@ -11,12 +11,12 @@ The phases: SharedBuffer; see docs/ARCHITECTURE.md (collectives).
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.backoff import Backoff
 from mpidist.collectives import flight, shm
 from mpidist.collectives.handle import Handle
 from mpidist.comm import as_communicator
@@ -29,8 +29,6 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _BLOCK_BYTES = 256 << 10
 _HEADER = 64          # bytes before each rank's data: its barrier counter and its count of
                       # non-finite chunks, alone in a line
-_SPINS = 64           # polls before the waiting thread starts sleeping between polls
-_NAP_MAX = 200e-6     # the longest sleep between polls (seconds)
 
 
 class SharedBuffer:
@@ -91,12 +89,9 @@ class SharedBuffer:
         self.win.Sync()
         self._counters[self.rank][0] = self._seq
         for counter in self._counters:
-            polls, nap = 0, 20e-6
+            wait = Backoff()                   # a waiting rank costs its core little
             while counter[0] < self._seq:
-                polls += 1
-                if polls > _SPINS:             # back off: a waiting rank costs its core little
-                    time.sleep(nap)
-                    nap = min(2 * nap, _NAP_MAX)
+                wait()
         self.win.Sync()
 
     def chunk_of(self, lo: int, hi: int) -> tuple[int, int]:

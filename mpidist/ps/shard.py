@@ -16,7 +16,7 @@ from mpidist.errors import MismatchError
 from mpidist.ps.consistency import Consistency
 from mpidist.ps.windows import (DONE, HALT, PAUSE, TICKET, VERSION, WRITING, CtrlLayout, Windows,
                                 pack_ticket, unpack_ticket)
-from mpidist.ps.worker import Backoff, check_abort
+from mpidist.ps.worker import TimedWait, check_abort
 
 __all__ = ["ShardServer", "ServerStats", "SumUpdate"]
 
@@ -84,7 +84,7 @@ class ShardServer:
         requested: callable -> bool (this rank was signalled); once True, every worker is
         asked to pause (PAUSE on the first server)."""
         wins, W = self.wins, self.workers
-        idle = Backoff(self.timeout, "a push from any worker")
+        idle = TimedWait(self.timeout, "a push from any worker")
         asked = False
         while True:
             check_abort(wins)
@@ -121,7 +121,7 @@ class ShardServer:
     def _update(self, slot: int, entries: int) -> None:
         wins, cnt, me = self.wins, self.params.size, self.me
         # 2. wait for the closed slot's pushes to complete
-        done = Backoff(self.timeout, f"{entries} pushes to complete in slot {slot}")
+        done = TimedWait(self.timeout, f"{entries} pushes to complete in slot {slot}")
         while (got := wins.read(me, DONE[slot])) < entries:
             check_abort(wins)
             done.wait()

@@ -12,34 +12,33 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.backoff import Backoff
 from mpidist.kernels.backend import is_cupy
 from mpidist.ps.consistency import Consistency, StalenessRecord, Straggler
 from mpidist.ps.windows import DONE, HALT, PAUSE, TICKET, VERSION, WRITING, CtrlLayout, Windows
 
-__all__ = ["Worker", "Backoff", "check_abort"]
+__all__ = ["Worker", "TimedWait", "check_abort"]
 
 _EPOCH_SHIFT = 32
 
 
-class Backoff:
-    """Bounded polling: sleep 20 us doubling to 1 ms; raise RuntimeError after `timeout` s."""
+class TimedWait:
+    """The parameter server's pause between polls of a window: backoff.Backoff without
+    spins, sleeping 20 us doubling to 1 ms, and a RuntimeError after `timeout` s."""
 
     def __init__(self, timeout: float, what: str):
-        self.deadline = time.monotonic() + timeout
         self.timeout, self.what = timeout, what
-        self.delay = 2e-5
+        self.reset()
 
     def wait(self) -> None:
-        if time.monotonic() > self.deadline:
+        if not self._pause():
             raise RuntimeError(f"parameter server: timed out after {self.timeout:g} s waiting "
                                f"for {self.what}; a peer rank may have died or stalled "
                                f"(raise `timeout` if steps are legitimately this slow)")
-        time.sleep(self.delay)
-        self.delay = min(2 * self.delay, 1e-3)
 
     def reset(self, timeout: float | None = None) -> None:
-        self.deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self.delay = 2e-5
+        limit = self.timeout if timeout is None else timeout
+        self._pause = Backoff(time.perf_counter() + limit, spins=0, longest=1e-3)
 
 
 def check_abort(wins: Windows) -> None:
@@ -122,7 +121,7 @@ class Worker:
         """Read every server's current parameter buffer into out (seqlock retry)."""
         ctrl, data, wins = self.wins.ctrl, self.wins.data, self.wins
         pending = list(range(len(self.servers)))
-        backoff = Backoff(self.timeout, "a consistent parameter buffer")
+        backoff = TimedWait(self.timeout, "a consistent parameter buffer")
         while pending:
             # 1. which version is current on each server
             for i in pending:
@@ -150,7 +149,7 @@ class Worker:
         if model.model == "asp":
             return
         start = time.monotonic()
-        backoff = Backoff(self.timeout, f"the other workers ({model})")
+        backoff = TimedWait(self.timeout, f"the other workers ({model})")
         while True:
             version, min_applied = self._server_clocks()
             if not model.must_wait(self.clock, version, min_applied):
@@ -198,7 +197,7 @@ class Worker:
         if self.wins.freed:
             raise RuntimeError("the parameter server's windows are freed; pull_final() only "
                                "inside its `with` block")
-        backoff = Backoff(self.timeout, "every worker to finish and every push to be applied")
+        backoff = TimedWait(self.timeout, "every worker to finish and every push to be applied")
         while True:
             applied, fin, _ = self._read_counts()
             if all((f > 0).all() and np.array_equal(a, f - 1) for a, f in zip(applied, fin)):
@@ -259,7 +258,7 @@ class Worker:
             lead = self.servers[0]
             if self.consistency.model == "bsp":
                 start = time.monotonic()
-                backoff = Backoff(self.timeout, "the first server's update of this step")
+                backoff = TimedWait(self.timeout, "the first server's update of this step")
                 while self.wins.read(lead, VERSION) < self.clock:
                     check_abort(self.wins)
                     backoff.wait()

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.backoff import Backoff
 from mpidist.collectives import flight, guard
 from mpidist.errors import MismatchError
 from mpidist.partition import counts_displs
@@ -26,9 +27,6 @@ DTYPES = (np.dtype(np.float32), np.dtype(np.float64))   # reduced without wideni
 _LINE = 64            # bytes of each rank's header: counter, two digests (by parity)
 _ERROR = -1           # the digest of a rank with an argument error (digests are >= 0)
 _BLOCK_BYTES = 256 << 10
-_SPINS = 64           # polls before the waiting thread starts sleeping between polls
-_NAP_MAX = 200e-6     # the longest sleep between polls (seconds)
-
 
 class _Call(NamedTuple):
     """An allreduce between begin and finish."""
@@ -103,24 +101,20 @@ class Node:
 
     def _await(self, seq: int, patience: float | None = None) -> bool:
         """Whether every rank has arrived at barrier seq, waiting at most `patience` seconds
-        (None: until they have): a few polls, then sleeps that leave the core."""
+        (None: until they have)."""
         deadline = None if patience is None else time.perf_counter() + patience
         for line in self._lines:
-            polls, nap = 0, 20e-6
+            wait = Backoff(deadline)
             while line[0] < seq:
-                polls += 1
-                if polls > _SPINS:                       # back off: leave the core
-                    if deadline is not None and time.perf_counter() > deadline:
-                        return False
-                    time.sleep(nap)
-                    nap = min(2 * nap, _NAP_MAX)
+                if not wait():
+                    return False
         return True
 
     def _arrivals(self, seq: int):
         """The other ranks, each as it arrives at barrier seq (waiting as _await does), so
         the caller works on one while the others are still on their way."""
         pending = [j for j in range(self.size) if j != self.rank]
-        polls, nap = 0, 20e-6
+        wait = Backoff()
         while pending:
             ready = [j for j in pending if self._lines[j][0] >= seq]
             if ready:
@@ -129,10 +123,7 @@ class Node:
                     pending.remove(j)
                     yield j
                 continue
-            polls += 1
-            if polls > _SPINS:                           # back off: leave the core
-                time.sleep(nap)
-                nap = min(2 * nap, _NAP_MAX)
+            wait()
 
     def _agreed(self, slot: int, digest: int | None) -> bool:
         """After every rank arrived: whether they all wrote my digest in the slot."""

@@ -1,0 +1,41 @@
+"""Backoff: spin, then sleep doubling to a cap; False once past the deadline."""
+import pytest
+
+from mpidist import backoff
+from mpidist.backoff import Backoff
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """A fake clock: time.sleep advances it and records each nap."""
+    state = {"now": 100.0, "naps": []}
+
+    def sleep(seconds):
+        state["naps"].append(seconds)
+        state["now"] += seconds
+
+    monkeypatch.setattr(backoff.time, "sleep", sleep)
+    monkeypatch.setattr(backoff.time, "perf_counter", lambda: state["now"])
+    return state
+
+
+def test_spins_then_sleeps_doubling_to_the_cap(clock):
+    wait = Backoff(spins=3, longest=100e-6)
+    assert all(wait() for _ in range(8))
+    assert clock["naps"] == pytest.approx([20e-6, 40e-6, 80e-6, 100e-6, 100e-6])
+
+
+def test_the_default_spins_before_the_first_sleep(clock):
+    wait = Backoff()
+    for _ in range(backoff.SPINS):
+        wait()
+    assert clock["naps"] == []
+    wait()
+    assert clock["naps"] == [backoff.FIRST_NAP]
+
+
+def test_past_the_deadline_it_answers_false_without_sleeping(clock):
+    wait = Backoff(deadline=clock["now"] + 50e-6, spins=0)
+    assert wait() and wait()                      # 20 + 40 us: the second starts at 20 us
+    assert not wait()                             # starts at 60 us, past the deadline
+    assert clock["naps"] == pytest.approx([20e-6, 40e-6])
