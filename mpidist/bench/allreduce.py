@@ -358,9 +358,9 @@ def _summary(rows, p: int) -> None:
     if autos:
         worst = max(autos)
         paired = max((by[s, "auto"]["vs_best_paired"], s) for _, s in autos)
-        line = (f"  auto vs best (target <= 1.10x): worst {worst[0]:.2f}x at {worst[1]} B "
-                f"(ratio of medians); worst {paired[0]:.2f}x at {paired[1]} B (median of "
-                f"per-round ratios)")
+        line = (f"  auto vs best (target <= 1.10x), the median of per-round ratios (the "
+                f"machine's drift between rounds cancels): worst {paired[0]:.2f}x at "
+                f"{paired[1]} B; as a ratio of medians: worst {worst[0]:.2f}x at {worst[1]} B")
         # a state that moved during a size may have changed which algorithm is best
         held = [(ratio, s) for ratio, s in autos if _state_held(by[s, "auto"])]
         if held and len(held) < len(autos):
