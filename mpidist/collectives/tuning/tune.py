@@ -9,9 +9,9 @@ budget), so that each is timed beside all the others, as a benchmark times it, a
 moments of a drifting machine. `decide` picks the algorithm least behind each pass's fastest
 on average; a tie (a margin within MIN_GAIN or its spread over the passes) goes to the
 built-in rule's pick, then to native. A pick wins the sizes up to the geometric middle to
-the next size. Rank 0 writes the table (select.FORMAT) with the timings
-as notes; an existing file keeps its other layouts. Point a job at it with [parallel]
-algorithm_table or env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
+the next size. Rank 0 writes the table (select.FORMAT) with the timings as notes; an
+existing file keeps its other layouts. Point a job at it with [parallel] algorithm_table or
+env MPIDIST_ALGORITHM_TABLE. See docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
