@@ -184,9 +184,10 @@ def allreduce(buf, *, op="sum", algorithm="auto", comm=None, out=None):
 
 
 def _part_module(algorithm: str, c):
-    """The module for reduce_scatter/allgather; "auto": shm within one node, else ring."""
+    """The module for reduce_scatter/allgather; "auto": shm within one node of three or more
+    ranks, else ring."""
     if algorithm == "auto":
-        return shm if shm.usable(c) else ring
+        return shm if shm.preferred(c) else ring
     try:
         return _PARTS[algorithm]
     except KeyError:
@@ -200,7 +201,8 @@ def reduce_scatter(buf, *, op="sum", comm=None, out=None, algorithm="auto"):
 
     out: optional array of exactly that shard's length (may be that chunk of buf itself).
     algorithm: "ring" (pipelined, bandwidth-optimal), "shm" (shared-memory window, one
-    node), "native" (MPI_Reduce_scatter), or "auto" (shm within one node, else ring).
+    node), "native" (MPI_Reduce_scatter), or "auto" (shm within one node of three or more
+    ranks, else ring).
     """
     c = as_communicator(comm)
     error, signature = None, None

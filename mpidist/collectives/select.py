@@ -39,7 +39,7 @@ def rule(comm, nbytes: int) -> str:
     and out of the window cannot beat.)"""
     if comm.size == 1 or nbytes <= SMALL_BYTES:
         return "native"
-    if comm.size > 2 and shm.usable(comm):
+    if shm.preferred(comm):
         return "shm"
     if comm.num_nodes > 1 and comm.uniform_nodes and comm.local_size > 1:
         return "hierarchical"

@@ -28,7 +28,7 @@ from mpidist.comm import on_free
 from mpidist.ft import ulfm
 from mpidist.partition import counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "usable"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "usable", "preferred"]
 
 _BLOCK_BYTES = 256 << 10
 _windows: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -39,6 +39,13 @@ def usable(comm) -> bool:
     """One node (not simulated as several), more than one rank, and no fault tolerance
     (ULFM does not cover shared-memory windows: a dead rank would hang the others)."""
     return comm.size > 1 and comm.num_nodes == 1 and not ulfm.active()
+
+
+def preferred(comm) -> bool:
+    """Whether "auto" should take shm on comm: usable, and three or more ranks. Two ranks
+    exchange each half once over the MPI library, which the copies into and out of the
+    window cannot beat (docs/PERFORMANCE.md)."""
+    return comm.size > 2 and usable(comm)
 
 
 class _Window:

@@ -59,6 +59,7 @@ def test_the_rule_without_a_table(comm):
     else:
         expect = "ring"
     assert select.choose(comm, large) == expect == _auto_name(comm, large)
+    assert shm.preferred(comm) == (expect == "shm")      # reduce_scatter/allgather's auto too
     assert "built-in rule" in select.describe(comm)
 
 
