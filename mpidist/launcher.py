@@ -119,6 +119,11 @@ def unwired_launch(env: dict | None = None) -> str | None:
             f"them, MpiDefault in slurm.conf sets one), or `mpirun` inside the allocation")
 
 
+def _oversubscribed(n: int) -> bool:
+    """More ranks than cores: the ranks then yield when idle and are bound round-robin."""
+    return int(n) > (os.cpu_count() or 1)
+
+
 def without_job_variables(env: dict) -> dict:
     """env less the MPI job's wiring (OMPI_, OPAL_, PMIX_, PMI_ variables): as from a shell."""
     return {k: v for k, v in env.items() if not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_"))}
@@ -141,7 +146,7 @@ def mpi_env(n: int = 1, base: dict | None = None, ft: bool = False) -> dict:
     if mpi_vendor() == "openmpi":
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        if n > cores:
+        if _oversubscribed(n):
             # more ranks than cores: a rank waiting for a message gives its core away (with a
             # core each, polling answers in a microsecond where yielding takes tens)
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
@@ -172,7 +177,7 @@ def mpiexec_argv(n: int, argv: list[str], ft: bool = False) -> list[str]:
         # ranks share a core (it decides which algorithm is fastest for large messages) is the
         # same in every launch, for `mpidist tune` and for the job that reads its table
         bind = ["--map-by", "core", "--bind-to", "core:overload-allowed"] \
-            if int(n) > (os.cpu_count() or 1) else ["--bind-to", "none"]
+            if _oversubscribed(n) else ["--bind-to", "none"]
         cmd += ["--oversubscribe", *bind]
     if ft:
         cmd += ["--with-ft", "ulfm"]

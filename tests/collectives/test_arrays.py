@@ -19,7 +19,7 @@ def expected(comm, n=11, dtype=np.float32, op="sum"):
 
 @pytest.mark.parametrize("op", ["sum", "avg", "max"])
 def test_torch_tensor_reduced_in_place(comm, op):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is optional")
     t = torch.from_numpy(data(comm.rank)).clone()
     ptr = t.data_ptr()
     res = allreduce(t, op=op, comm=comm)
@@ -30,7 +30,7 @@ def test_torch_tensor_reduced_in_place(comm, op):
 
 
 def test_torch_bfloat16_and_lists(comm):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is optional")
     b = torch.full((6,), float(comm.rank + 1), dtype=torch.bfloat16)
     ptr = b.data_ptr()
     allreduce(b, comm=comm)
@@ -45,7 +45,7 @@ def test_torch_bfloat16_and_lists(comm):
 
 
 def test_torch_reduce_scatter_and_allgather(comm):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is optional")
     n = 13
     shard = reduce_scatter(torch.from_numpy(data(comm.rank, n)), comm=comm)
     want = reduce_scatter(data(comm.rank, n), comm=comm)
@@ -59,7 +59,7 @@ def test_torch_reduce_scatter_and_allgather(comm):
 
 
 def test_torch_compressed_allreduce(comm):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="torch is optional")
     from mpidist.compress import CompressedAllreduce, make_compressor
     ca_t = CompressedAllreduce(make_compressor("fp16"), comm)
     ca_n = CompressedAllreduce(make_compressor("fp16"), comm)
@@ -69,7 +69,7 @@ def test_torch_compressed_allreduce(comm):
 
 
 def test_jax_array_out_of_place(comm):
-    jnp = pytest.importorskip("jax.numpy")
+    jnp = pytest.importorskip("jax.numpy", reason="JAX is optional")
     x = jnp.asarray(data(comm.rank))
     res = allreduce(x, comm=comm)
     np.testing.assert_array_equal(np.asarray(res), expected(comm))

@@ -37,7 +37,7 @@ DEFAULT_SIZES = "8,64,512,4K,32K,256K,1M,4M,16M,64M,256M"
 SECONDS = 1.5         # per size and pass: the time that sets the rounds
 MIN_ROUNDS = 7        # rounds per size and pass at least (at most 300)
 PASSES = 3            # passes over the ladder
-MIN_GAIN = 0.03       # another must beat the rule's pick by this at least, on average
+MIN_GAIN = 0.03       # a mean margin this small or smaller is a tie (decide)
 
 
 def candidates(comm) -> list[str]:
