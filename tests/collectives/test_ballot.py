@@ -1,8 +1,9 @@
 """The guard's ballot: a small native allreduce rides in the check's own message and gives
 MPI_Allreduce's result; the record's size (small or
 large) is agreed by every rank and follows the calls; the two-word form (no user op) checks
-as well; mismatches across the carried sizes are caught."""
+as well; mismatches across the carried sizes are caught; the ranks agree on the form."""
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from mpidist.collectives import allgather, allreduce, ballot, core, flight, guar
 from mpidist.comm import Communicator
 from mpidist.errors import MismatchError
 
-SIZES = (1, 3, 54, 55, 255, 256, 257, 1000)  # float32: up to 54 fit a small record, 256 a large
+SIZES = (0, 1, 3, 54, 55, 255, 256, 257, 1000)  # float32: up to 54 fit a small record, 256 a large
 
 
 @pytest.fixture(params=["carried", "plain"])
@@ -20,7 +21,7 @@ def ballot_comm(request, comm, monkeypatch):
     """comm's ranks on a fresh communicator, whose ballot carries data ("carried") or is
     the two-word MPI_MAX vote ("plain", as where ctypes can not reach the MPI library)."""
     if request.param == "plain":
-        monkeypatch.setitem(ballot._shared, "made", None)
+        monkeypatch.setitem(ballot._shared, "made", "the test's plain form")
     c = Communicator(comm.comm)
     yield c
     c.free()
@@ -54,8 +55,8 @@ def test_allreduce_with_the_guard_on_equals_mpi(ballot_comm):
 
 def _record(comm):
     """'small' or 'large': the size of comm's next ballot record, checked alike on every rank."""
-    handles = ballot.of(comm).state[:ballot._HANDLES].view(np.int64)
-    size = "large" if handles[2] == handles[6] else "small"
+    handles = ballot.of(comm).handles
+    size = "large" if handles[ballot._NEXT] == handles[ballot._LARGE_TYPE] else "small"
     assert comm.comm.allgather(size) == [size] * comm.size
     return size
 
@@ -173,3 +174,65 @@ def test_one_flight_record_per_call(comm, dtype):
     allreduce(np.ones(4, dtype), algorithm="native", comm=comm)
     rec = flight.records(comm)
     assert rec[-1]["seq"] == before + 1 and "n=4" in rec[-1]["call"], rec[-3:]
+
+
+def test_a_native_allreduce_of_nothing(ballot_comm):
+    """n = 0, every dtype, in either form: an empty result, and the ranks still in step."""
+    for dt in DTYPES:
+        x = np.zeros(0, dt)
+        assert allreduce(x, algorithm="native", comm=ballot_comm).shape == (0,)
+        assert allreduce(x, op="max", algorithm="native", comm=ballot_comm,
+                         out=np.zeros(0, dt)).size == 0
+    assert allreduce(np.ones(3), algorithm="native", comm=ballot_comm)[0] == ballot_comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("odd", ["first", "last"])
+def test_one_rank_in_the_other_form_agrees(comm, monkeypatch, odd):
+    """One rank's environment asks for the plain form (MPIDIST_BALLOT=plain), the others can
+    use the compiled one: the ranks agree on one form when the ballot is made (plain, with
+    one warning, on rank 0), and the calls
+    and the mismatch checks work. Never a hang: the test's timeout would fail it."""
+    mine = comm.rank == (0 if odd == "first" else comm.size - 1)
+    monkeypatch.delitem(ballot._shared, "made", raising=False)
+    monkeypatch.delitem(ballot._shared, "warned", raising=False)
+    if mine:
+        monkeypatch.setenv("MPIDIST_BALLOT", "plain")
+    else:
+        monkeypatch.delenv("MPIDIST_BALLOT", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = Communicator(comm.comm)
+        try:
+            x = np.full(5, c.rank + 1.0)
+            allreduce(x, algorithm="native", comm=c)
+            assert np.all(x == c.size * (c.size + 1) / 2)
+            forms = c.comm.allgather(ballot.of(c).state is None)
+            with pytest.raises(MismatchError):
+                allreduce(np.ones(2 if c.rank else 3), algorithm="native", comm=c)
+        finally:
+            c.free()
+    assert forms == [True] * comm.size, forms
+    ours = [w for w in caught if "compiled ballot" in str(w.message)]
+    others_could = comm.comm.allreduce(0 if mine or isinstance(ballot._shared["made"], str) else 1)
+    if comm.rank == 0 and others_could:
+        assert len(ours) == 1, [str(w.message) for w in caught]
+    else:
+        assert not ours, [str(w.message) for w in ours]
+
+
+def test_the_library_is_the_one_mpi4py_calls():
+    """The compiled form's MPI_Allreduce is the one in the library that mpi4py's module uses
+    (mpilib.path(): the file of the MPI_Init mpi4py resolves), found with no name scan."""
+    import ctypes
+    import os
+    from mpi4py import MPI
+    from mpidist import mpilib
+    made = ballot._shared.get("made") or ballot._make_op()
+    if isinstance(made, str):
+        pytest.skip(f"the compiled form is not used here: {made}")
+    info = mpilib._DlInfo()
+    assert ctypes.CDLL(None).dladdr(ctypes.c_void_p(made[0]), ctypes.byref(info))
+    assert os.path.realpath(info.fname.decode()) == mpilib.path() != ""
+    assert os.path.basename(mpilib.path()).startswith("libmpi") or "mpi" in mpilib.path().lower()
+    assert MPI.Get_library_version()
