@@ -1,7 +1,8 @@
 """Numba CPU kernels for gradients arriving from a framework (mpidist.torch).
 
-A gradient handed over by autograd is copied into the flat buffer and checked for Inf/NaN
-in the same pass, so the finiteness of a step costs no pass of its own. copy_finite and
+A gradient handed over by autograd is copied into the flat buffer (scaled, for an average
+over the ranks: copy_scaled_finite) and checked for Inf/NaN in the same pass, so neither
+the finiteness of a step nor the average costs a pass of its own. copy_finite and
 all_finite work on the raw bits (uint32 for float32, uint16 for float16/bfloat16) with the
 dtype's exponent mask: an exponent field of all ones is an Inf or a NaN (an integer max
 vectorises; a float test in a branch does not). sum_finite sums and checks in one pass
@@ -12,7 +13,7 @@ See docs/ARCHITECTURE.md (PyTorch models).
 import numpy as np
 from numba import njit
 
-__all__ = ["EXPONENT_MASK", "copy_finite", "all_finite", "sum_finite"]
+__all__ = ["EXPONENT_MASK", "copy_finite", "copy_scaled_finite", "all_finite", "sum_finite"]
 
 # exponent bits of each floating dtype, by name (bfloat16 is ml_dtypes')
 EXPONENT_MASK = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
@@ -74,6 +75,16 @@ def _sum_bad(dst, first, others, block, in_place):
     return bad
 
 
+@njit(**_OPTS)
+def _copy_scaled_bad(dst, src, s):
+    bad = 0
+    for i in range(src.shape[0]):
+        v = src[i] * s
+        dst[i] = v
+        bad |= (v - v) != 0
+    return bad
+
+
 def _bits(a):
     return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
 
@@ -86,6 +97,12 @@ def copy_finite(dst: np.ndarray, src: np.ndarray) -> bool:
     """dst[...] = src (1-D, same dtype); returns whether every element is finite."""
     mask = _mask(src)
     return _copy_max(_bits(dst), _bits(src), mask) != mask
+
+
+def copy_scaled_finite(dst: np.ndarray, src: np.ndarray, scale: float) -> bool:
+    """dst[...] = src * scale (1-D, one float32 or float64 dtype; the product rounded once
+    in that dtype); returns whether every product is finite."""
+    return not _copy_scaled_bad(dst, src, src.dtype.type(scale))
 
 
 def all_finite(x: np.ndarray) -> bool:

@@ -21,6 +21,7 @@ class AdamW(Optimizer):
     """AdamW over a flat-buffer range. `exclude`: name patterns left out of weight decay."""
 
     name = "adamw"
+    group_hyper = ("betas", "eps")
     state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, layout, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,

@@ -24,6 +24,7 @@ import ml_dtypes
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module, is_cupy, to_numpy
 from mpidist.optim.checks import check_lr, check_number, match_names
+from mpidist.optim.groups import ParamGroups
 from mpidist.optim.plan import Plan
 
 __all__ = ["Optimizer", "LayerwiseOptimizer", "StepInfo", "Plan", "DEFAULT_EXCLUDE",
@@ -49,9 +50,10 @@ class StepInfo:
     trust_ratios: np.ndarray | None = None
 
 
-class Optimizer(abc.ABC):
+class Optimizer(ParamGroups, abc.ABC):
     """Base of the flat-buffer optimizers; subclasses define `state_names` (or
-    `_active_states`), `_update` and `hyper()`. Not thread-safe; one instance per shard."""
+    `_active_states`), `_update` and `hyper()`; hyperparameters per group of tensors come
+    from ParamGroups. Not thread-safe; one instance per shard."""
 
     name = "optimizer"
     state_names: tuple[str, ...] = ()
@@ -108,6 +110,8 @@ class Optimizer(abc.ABC):
 
     def seg_wd(self) -> np.ndarray:
         """Weight decay per layout segment (0 where excluded by name)."""
+        if self._seg_wd is not None:
+            return self._seg_wd
         return np.where(self.excluded, 0.0, self.weight_decay)
 
     # ---- state ------------------------------------------------------------------------
@@ -193,7 +197,12 @@ class Optimizer(abc.ABC):
         kern, work, g = self._prepare(params, grads, loss_scale, finite, reduce_norms)
         if finite is False:
             return self._skip("finite=False given by the caller")
-        info = self._update(kern, work, g, 1.0 / float(loss_scale), self.lr, reduce_norms, finite)
+        if self._runs is None:
+            info = self._update(kern, work, g, 1.0 / float(loss_scale), self.lr, reduce_norms,
+                                finite)
+        else:
+            info = self._update_groups(kern, work, g, 1.0 / float(loss_scale), reduce_norms,
+                                       finite)
         if not info.skipped and work is not params:
             params[...] = work.astype(params.dtype)
         return info

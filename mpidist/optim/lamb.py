@@ -40,6 +40,7 @@ class LAMB(LayerwiseOptimizer):
     """
 
     name = "lamb"
+    group_hyper = ("betas", "eps")
     state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, layout, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=1e-2,

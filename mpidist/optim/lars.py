@@ -21,6 +21,7 @@ class LARS(LayerwiseOptimizer):
     """LARS over a flat-buffer range; see the module docstring and base.LayerwiseOptimizer."""
 
     name = "lars"
+    group_hyper = ("momentum", "eta")
 
     def __init__(self, layout, lr=1.0, momentum=0.9, eta=1e-3, weight_decay=5e-4,
                  exclude=DEFAULT_EXCLUDE, **kw):

@@ -22,6 +22,7 @@ class Plan:
     Segment indices are the layout's, so per-segment arrays have len(layout) entries."""
 
     def __init__(self, layout: Layout, offset: int, count: int, chunk: int = CHUNK):
+        self._args = (layout, offset, count, chunk)
         pieces = layout.clip(offset, offset + count)
         self.nseg = len(layout)
         self.pseg = np.array([s for s, _, _ in pieces], np.int64)
@@ -34,3 +35,12 @@ class Plan:
             seg.append(np.full(starts.shape, s, np.int64))
         cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
         self.lo, self.hi, self.seg = cat(lo), cat(hi), cat(seg)
+
+    def only(self, segments) -> "Plan":
+        """The same range with chunks only in the segments marked True (bool, one per layout
+        segment): a pass over some tensors. pieces still describe the whole range, so
+        kernels that walk pieces (the GPU ones) cannot take it."""
+        sub = Plan(*self._args)
+        keep = np.asarray(segments, bool)[sub.seg]
+        sub.lo, sub.hi, sub.seg = sub.lo[keep], sub.hi[keep], sub.seg[keep]
+        return sub

@@ -22,6 +22,7 @@ class SGD(Optimizer):
     """Momentum SGD over a flat-buffer range. `exclude`: name patterns left out of decay."""
 
     name = "sgd"
+    group_hyper = ("momentum", "dampening")
 
     def __init__(self, layout, lr=0.1, momentum=0.0, dampening=0.0, nesterov=False,
                  weight_decay=0.0, exclude=(), **kw):

@@ -14,17 +14,26 @@ same buckets in the same order. What a launch does is the exchange's business
 
 Gradient accumulation: with passes_per_step=k, a parameter's gradient is final after its
 k-th backward pass (torch sums them); a parameter that got fewer by step() counts as
-what it has (zero if none, as in DDP).
+what it has (zero if none, as in DDP). While `sync` is off (DistributedOptimizer.no_sync)
+the hooks stand aside and torch accumulates as it always does; the next synced pass
+counts all of it.
+
+Averages: each gradient is multiplied by `scale` (1/size for an average) as it becomes
+final, in the pass that copies it into the buffer where there is one, so the reduction's
+sum is the average itself and no pass over the buffer follows. A parameter with no
+gradient on any rank (`.grad` None everywhere) gets `.grad` None back after the
+reduction (`unused`), as one process on the whole batch would have it.
 """
 from __future__ import annotations
 
 import time
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from mpidist.engine.distributed import make_buckets
-from mpidist.kernels.grads_cpu import all_finite, copy_finite
+from mpidist.kernels.grads_cpu import all_finite, copy_finite, copy_scaled_finite
 from mpidist.torch.tensors import to_numpy
 
 __all__ = ["GradientBuckets"]
@@ -38,8 +47,9 @@ class GradientBuckets:
     whether every rank's gradients were finite (collective)."""
 
     def __init__(self, params, layout, storage, exchange, comm, *, bucket_mb: float,
-                 passes_per_step: int):
+                 passes_per_step: int, scale: float = 1.0):
         self.params, self.layout, self.storage = params, layout, storage
+        self.scale, self.sync = float(scale), True
         self.exchange, self.comm, self.passes_per_step = exchange, comm, passes_per_step
         self.buckets = make_buckets(layout, storage.grads.dtype.itemsize, bucket_mb)
         self._bucket_of = np.empty(len(layout), np.int64)
@@ -59,6 +69,8 @@ class GradientBuckets:
             self._own_part = self._own_parts()
         self._own: list[list] = [[] for _ in self.buckets]
         self._passes = np.zeros(len(self.params), np.int64)
+        self._had = np.ones(len(self.params))     # 0: .grad was None when finalised
+        self.unused = np.zeros(len(self.params), bool)
         self._pending = self._size_of.copy()
         self._handles: list = []
         self._finite = True
@@ -84,18 +96,21 @@ class GradientBuckets:
 
     def _copy_around_own(self, i: int, src) -> None:
         """Copy gradient i into the buffer but for its owned part, which the launch reads."""
-        dst, part = self.storage.gflat[i], self._own_part[i]
+        dst, part, s = self.storage.gflat[i], self._own_part[i], self.scale
         if part is None:
-            dst[...] = src
+            np.multiply(src, s, out=dst) if s != 1.0 else np.copyto(dst, src)
             return
         x, y, start = part
-        dst[:x] = src[:x]
-        dst[y:] = src[y:]
+        for a, b in ((0, x), (y, src.shape[0])):
+            np.multiply(src[a:b], s, out=dst[a:b]) if s != 1.0 else np.copyto(dst[a:b], src[a:b])
+        if s != 1.0:                        # autograd's own tensor: nobody else reads it
+            np.multiply(src[x:y], s, out=src[x:y])
         self._own[self._bucket_of[i]].append((start, src[x:y]))
 
     def _hook(self, i: int):
         def hook(p):
-            self._grad_final(i, p, from_hook=True)
+            if self.sync:
+                self._grad_final(i, p, from_hook=True)
         return hook
 
     def _grad_final(self, i: int, p, from_hook: bool) -> None:
@@ -109,22 +124,36 @@ class GradientBuckets:
             self._errors.append(f"parameter {self.layout.names[i]!r} got more than "
                                 f"backward_passes_per_step={k} gradients before step()")
             return
-        ok = None
+        ok, s = None, self.scale
         if not from_hook:                   # finalised by step(): a partial sum, or nothing
-            if g is None or self._passes[i] == 0:
+            if g is None:
                 gview.zero_()               # no gradient this round counts as zero (as DDP)
-                ok = True
+                ok, self._had[i] = True, 0.0
+            else:                           # a partial sum, or what no_sync accumulated
+                if g.data_ptr() != gview.data_ptr():
+                    gview.copy_(g)
+                if s != 1.0:
+                    gview.mul_(s)
             self._passes[i] = k
             g = p.grad = gview
         elif g is not gview and g.data_ptr() != gview.data_ptr():
             if final and g.is_contiguous() and g.dtype == gview.dtype and g.device.type == "cpu":
+                src = to_numpy(g).reshape(-1)
                 if self._window:            # the window's sum checks it
-                    self._copy_around_own(i, to_numpy(g).reshape(-1))
+                    self._copy_around_own(i, src)
+                elif s != 1.0 and src.dtype.itemsize >= 4:
+                    ok = copy_scaled_finite(self.storage.gflat[i], src, s)
+                elif s != 1.0:
+                    torch.mul(g, s, out=gview)
                 else:
-                    ok = copy_finite(self.storage.gflat[i], to_numpy(g).reshape(-1))
+                    ok = copy_finite(self.storage.gflat[i], src)
             else:
                 gview.copy_(g)
+                if final and s != 1.0:
+                    gview.mul_(s)
             p.grad = gview
+        elif final and s != 1.0:            # accumulated into the view: scaled where it lies
+            gview.mul_(s)
         if not final:
             return
         if not self._window:
@@ -153,7 +182,8 @@ class GradientBuckets:
         for i, p in enumerate(self.params):
             if self._passes[i] < self.passes_per_step:
                 self._grad_final(i, p, from_hook=False)
-        flag = np.array([0.0 if self._finite else 1.0, float(len(self._errors))])
+        flag = np.concatenate([[0.0 if self._finite else 1.0, float(len(self._errors))],
+                               self._had])
         c = self.comm
         req = c.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.SUM) if c.size > 1 else None
         for b, h in enumerate(self._handles):
@@ -168,6 +198,9 @@ class GradientBuckets:
             self.new_round()
             c.raise_if_any(error)
         self._synced = bool(flag[0] == 0.0) and summed_finite is not False
+        self.unused = flag[2:] == 0.0
+        for i in np.flatnonzero(self.unused):   # no rank had one: None, as torch leaves it
+            self.params[i].grad = None
         if settle:
             self.exchange.settle()
         return self._synced

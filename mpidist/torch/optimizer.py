@@ -3,18 +3,23 @@ fused update over flat buffers.
 
     model = Net()
     opt = mpidist.torch.DistributedOptimizer(model, "adamw", lr=1e-3)   # or torch.optim.AdamW(...)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)                     # a torch optimizer
     for x, y in loader:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
+        opt.synchronize()                                 # .grad: the average over the ranks
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
 Shaped like Horovod's torch optimizer (hooks, asynchronous handles, step() waits first),
 out of one piece per concern: params (checks), storage (each param.data and .grad a view of
 a flat buffer), buckets (the backward hooks), exchange / zero / onebit (what a bucket's
-launch and the update do). The steps of step(): DistributedOptimizer.step.
+launch and the update do), torchstate (param_groups and state_dict over an mpidist
+optimizer). The steps of step(): DistributedOptimizer.step.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import time
 
@@ -34,14 +39,20 @@ from mpidist.torch.params import (bcast_tensor, broadcast_parameters, check_para
                                   check_same_params, named_parameters)
 from mpidist.torch.storage import FlatStorage
 from mpidist.torch.tensors import numpy_dtype
+from mpidist.torch.torchstate import (GroupSync, fused_defaults, fused_state_dict, group_dicts,
+                                      load_fused_state)
 from mpidist.torch.zero import Zero, shard_of
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "named_parameters"]
 
 
-def _check_settings(optimizer, op, k, bucket_mb, zero, compression, options, hyper) -> None:
+def _check_settings(optimizer, op, k, bucket_mb, zero, compression, options, hyper,
+                    groups) -> None:
     """The local checks of the settings (TypeError/ValueError saying what to do)."""
+    if groups is not None and not isinstance(optimizer, str):
+        raise TypeError("param_groups go with an optimizer name; a torch optimizer brings "
+                        "its own groups (torch.optim.AdamW(groups, ...))")
     if op not in ("avg", "sum"):
         raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
@@ -103,8 +114,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
         optimizer.load_state_dict(state)
 
 
-class DistributedOptimizer:
-    """Data-parallel training of a torch module over an MPI communicator.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Data-parallel training of a torch module over an MPI communicator; a torch optimizer
+    (schedulers, param_groups, state_dict, step hooks work as with any other).
 
     model: a torch.nn.Module, or its named_parameters() (or a list of parameters).
     optimizer: an mpidist optimizer name ("sgd", "adamw", "lars", "lamb", "onebit_adam",
@@ -112,29 +124,31 @@ class DistributedOptimizer:
       flat optimizer or a callable(layout) -> one, or any torch.optim.Optimizer over the
       model's parameters.
     op: "avg" (the mean of the ranks' gradients, each rank's loss a mean over its own
-      batch, as Horovod) or "sum".
+      batch, as DDP and Horovod) or "sum": what `.grad` holds after synchronize().
     algorithm: the mpidist.collectives allreduce algorithm ("auto", "ring", "tree", ...).
     bucket_mb: gradient bucket size in MiB (0: one bucket after backward).
     backward_passes_per_step: backward passes summed into each step (accumulation).
     compression: None or a compressor name of mpidist.compress, with compression_options.
     zero: 0 (data parallel), 1 or 2 (ZeRO stages, mpidist.torch.zero; an mpidist optimizer).
     broadcast: start from rank 0's parameters, frozen parameters, buffers and optimizer state.
+    param_groups: with an optimizer name, torch-style groups ({"params": [...], name: value})
+      that split the trainable parameters, each with its own lr, weight_decay, betas, ...
     Construction is collective. Frozen parameters (requires_grad=False) stay where they are
-    and are only broadcast.
+    and are only broadcast. Writes into `param_groups` reach the next step.
     """
 
     def __init__(self, model, optimizer="sgd", *, comm=None, op: str = "avg",
                  algorithm: str = "auto", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, compression: str | None = None,
                  compression_options: dict | None = None, zero: int = 0, broadcast: bool = True,
-                 **hyper):
+                 param_groups=None, **hyper):
         self.comm = c = as_communicator(comm)
         error = None
         try:
             named = named_parameters(model)
             check_params(named, optimizer)
             _check_settings(optimizer, op, backward_passes_per_step, bucket_mb, zero,
-                            compression, compression_options, hyper)
+                            compression, compression_options, hyper, param_groups)
         except (TypeError, ValueError) as exc:
             error = exc
         c.raise_if_any(error)
@@ -161,6 +175,7 @@ class DistributedOptimizer:
         try:
             self.optimizer = self._build_optimizer(optimizer, hyper)
             _check_onebit(self.optimizer, self.zero, compression)
+            self._init_torch(param_groups)
         except (TypeError, ValueError) as exc:
             error = exc
         try:
@@ -169,9 +184,11 @@ class DistributedOptimizer:
             self.storage.release()          # every rank is here: free the windows together
             raise
         self.exchange = self._build_exchange(compression, compression_options)
+        # op="avg": each gradient scaled by 1/size as it becomes final, so the sum is the mean
         self.buckets = GradientBuckets(self.params, self.layout, self.storage, self.exchange, c,
                                        bucket_mb=bucket_mb,
-                                       passes_per_step=self.backward_passes_per_step)
+                                       passes_per_step=self.backward_passes_per_step,
+                                       scale=1.0 / c.size if op == "avg" else 1.0)
         self.last_step: dict = {}
         if broadcast:
             c.comm.Bcast(self.flat_params.view("u1"), root=0)
@@ -194,6 +211,30 @@ class DistributedOptimizer:
         return self.storage.grads
 
     # ------------------------------------------------------------------ set-up
+    def _init_torch(self, groups) -> None:
+        """torch.optim.Optimizer's own state: a wrapped torch optimizer's groups, state and
+        defaults (the same objects), or groups over the mpidist optimizer (GroupSync)."""
+        inner = self.optimizer
+        if isinstance(inner, torch.optim.Optimizer):
+            torch.optim.Optimizer.__init__(self, inner.param_groups, dict(inner.defaults))
+            self.param_groups, self.state, self.defaults = \
+                inner.param_groups, inner.state, inner.defaults
+            self._sync = None
+            return
+        defaults = fused_defaults(inner)
+        dicts = group_dicts(self.params, groups)
+        if len(dicts) > 1 and is_onebit(inner):
+            raise ValueError(f"optimizer {inner.name!r} takes one param group")
+        torch.optim.Optimizer.__init__(self, dicts, defaults)
+        self._sync = GroupSync(self.params, inner)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while being built: the flat buffers hold the model's parameters then."""
+        if getattr(self, "_sync", False) is not False:
+            raise RuntimeError("a DistributedOptimizer's parameters are fixed when it is "
+                               "built; pass every group then (param_groups=...)")
+        super().add_param_group(param_group)
+
     def _build_optimizer(self, optimizer, hyper):
         if isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
@@ -227,16 +268,30 @@ class DistributedOptimizer:
                                                  c, nonfinite="skip")
             exchange = Allreduce(self.storage, c, algorithm=self.algorithm, compressed=compressed)
         if is_onebit(self.optimizer):
-            # op="sum": each rank's gradient is its share of the sum; "avg": of the mean
-            exchange = Onebit(exchange, self.optimizer, self.layout, c,
-                              mult=float(c.size) if self.op == "sum" else 1.0)
+            # each rank's gradient is its share of the sum, or (scaled by 1/size in the
+            # hooks) of the mean: size times it estimates the reduced gradient either way
+            exchange = Onebit(exchange, self.optimizer, self.layout, c, mult=float(c.size))
         return exchange
 
     # ------------------------------------------------------------------ the step
     def synchronize(self) -> bool:
         """Launch what is left, agree on finiteness and wait for every bucket; returns
-        whether the summed gradients are finite on every rank (collective)."""
+        whether the reduced gradients are finite on every rank (collective). Afterwards
+        `.grad` holds the average (op="avg") or the sum, None where no rank had one."""
         return self.buckets.synchronize()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate locally, as under DDP's no_sync(); the first
+        backward after it reduces the sum of all of them."""
+        if self.backward_passes_per_step != 1:
+            raise RuntimeError("no_sync() and backward_passes_per_step > 1 are two spellings "
+                               "of accumulation; use one")
+        old, self.buckets.sync = self.buckets.sync, False
+        try:
+            yield
+        finally:
+            self.buckets.sync = old
 
     def step(self, closure=None):
         """Wait for the gradients, then update (skipped on every rank when any gradient is
@@ -246,9 +301,9 @@ class DistributedOptimizer:
         2. agree on finiteness with one small allreduce of the flags found in the hooks (no
            pass over the gradients; in the shared window the sums are checked as they are
            made); 3. wait for the buckets; 4. update: the mpidist optimizer's fused kernel
-        over the flat buffers (op="avg" folds 1/size into it), or the wrapped torch
-        optimizer on the `.grad` views; 5. settle: no rank reads my gradients any more (the
-        window's fence, which ran during the update)."""
+        over the flat buffers with param_groups' values, or the wrapped torch optimizer on
+        the `.grad` views; 5. settle: no rank reads my gradients any more (the window's
+        fence, which ran during the update)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -258,8 +313,9 @@ class DistributedOptimizer:
         t1 = time.perf_counter()
         info = {"skipped": not finite}
         if finite:
-            scale = float(self.comm.size) if self.op == "avg" else 1.0
-            info.update(self.exchange.update(self.optimizer, scale))
+            if self._sync is not None:
+                self._sync.apply(self.param_groups, self.buckets.unused)
+            info.update(self.exchange.update(self.optimizer, 1.0))
         self.exchange.settle()
         t2 = time.perf_counter()
         self.last_step = {**info, "t_launch": self.buckets.t_launch, "t_wait": t1 - t0,
@@ -277,20 +333,21 @@ class DistributedOptimizer:
             self.storage.zero_grads()
         self.buckets.new_round()
 
-    # ------------------------------------------------------------------ torch-like access
-    @property
-    def param_groups(self):
-        """The torch optimizer's param_groups (a torch optimizer wrapped), else one group
-        with the mpidist optimizer's lr."""
-        if isinstance(self.optimizer, torch.optim.Optimizer):
-            return self.optimizer.param_groups
-        return [{"params": self.params, "lr": self.optimizer.lr}]
-
+    # ------------------------------------------------------------------ torch state
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        """What torch.save carries: the wrapped torch optimizer's own state dict, or the
+        mpidist optimizer's state over the whole model (collective under ZeRO: gathered
+        from the shards, so it loads at any rank count and ZeRO stage)."""
+        if self._sync is None:
+            return self.optimizer.state_dict()
+        return fused_state_dict(self.optimizer, self.param_groups, self.comm, self.shard)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore state_dict()'s output (param_groups' values included)."""
+        if self._sync is None:
+            self.optimizer.load_state_dict(state_dict)
+        else:
+            load_fused_state(self.optimizer, self.param_groups, state_dict, self.shard)
 
     def close(self) -> None:
         """Collective: detach from the model's backward and free the shared windows (the
