@@ -39,6 +39,7 @@ def info(argv: list[str] | None = None) -> int:
     # must not do before it starts mpiexec, and these are slow for `mpidist --help`
     from mpi4py import MPI
     from mpidist.collectives import select
+    from mpidist import threads
     from mpidist.comm import Communicator, mpi_library
     from mpidist.h5 import parallel_hdf5
     from mpidist.kernels.backend import cupy_available, gpu_available
@@ -62,6 +63,7 @@ def info(argv: list[str] | None = None) -> int:
                      + ("yes" if parallel_hdf5() else "no (checkpoints written by the ranks in "
                                                        "turns; HDF5_MPI=ON builds parallel)")),
             ("NumPy / Numba", f"{numpy.__version__} / {numba.__version__}"),
+            ("threads per rank", threads.setting().describe() if threads.setting() else "not set"),
             ("CuPy", "yes, GPU present" if gpu_available() else
                      ("installed, no GPU" if cupy_available() else "not installed")),
             ("Python", f"{platform.python_version()} on {platform.machine()}"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from mpidist import threads
 from mpidist.checks import positive_int
 from mpidist.errors import MismatchError, agree_or_raise, format_ranks
 from mpidist.kernels.backend import cupy, is_cupy, synchronize
@@ -116,6 +117,9 @@ class Communicator:
         inter_mpi = self.comm.Split(color=self.local_rank, key=self.rank)
         self.node_comm = Communicator._leaf(node_mpi, one_per_node=False)
         self.inter_comm = Communicator._leaf(inter_mpi, one_per_node=True)
+        if self.size == MPI.COMM_WORLD.Get_size():
+            # 4. threads per rank: the node's cores shared among its ranks (mpidist.threads)
+            threads.configure(self.size if self.simulated_nodes else self.local_size)
 
     @classmethod
     def _leaf(cls, mpi_comm: MPI.Comm, *, one_per_node: bool) -> "Communicator":

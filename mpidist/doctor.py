@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
+from mpidist import threads
 from mpidist.comm import Communicator, cuda_aware_mpi, mpi_library
 from mpidist.errors import format_ranks
 from mpidist.h5 import parallel_hdf5
@@ -54,7 +55,7 @@ def facts(comm: Communicator) -> dict:
         cores = os.cpu_count() or 1
     try:
         import numba                    # slow to import: only the doctor's facts need it
-        numba_threads = int(numba.config.NUMBA_NUM_THREADS)
+        numba_threads = int(numba.get_num_threads())      # mpidist.threads' setting
         numba_layer = str(numba.config.THREADING_LAYER)
     except Exception:
         numba_threads, numba_layer = 0, "unavailable"
@@ -69,6 +70,7 @@ def facts(comm: Communicator) -> dict:
         "library": mpi_library(), "libmpi": _loaded_libmpi(),
         "thread_level": MPI.Query_thread(), "gpus": gpus,
         "numba_threads": numba_threads, "numba_layer": numba_layer,
+        "threads": threads.setting().describe() if threads.setting() else "not set",
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("OMPI_MCA_", "MPIDIST_", "MPI4PY_"))},
     }
@@ -243,10 +245,12 @@ def check_numba(all_facts: list[dict]) -> Verdict:
     """Numba's threading layer and threads per rank against the cores."""
     f = all_facts[0]
     ranks = max(Counter(x["node"] for x in all_facts).values())
-    found = f"threading layer {f['numba_layer']}, {f['numba_threads']} thread(s) per rank"
+    found = (f"threading layer {f['numba_layer']}, threads per rank: "
+             f"{f.get('threads', f['numba_threads'])}")
     if f["numba_threads"] > 1 and f["numba_threads"] * ranks > f["cores"]:
         return Verdict(WARN, f"{found} x {ranks} rank(s) per node on {f['cores']} core(s)",
-                       "set NUMBA_NUM_THREADS to cores / ranks per node (mpidist.launcher does)")
+                       "unset NUMBA_NUM_THREADS (mpidist then shares the cores among the "
+                       "node's ranks) or set it to cores / ranks per node")
     return Verdict(OK, found)
 
 

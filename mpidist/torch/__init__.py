@@ -6,9 +6,10 @@ flat buffers. Needs torch (the `[torch]` extra); `import mpidist` does not.
 """
 from mpidist.torch.optimizer import (DistributedOptimizer, broadcast_optimizer_state,
                                      broadcast_parameters, named_parameters)
+from mpidist.torch.sampler import DistributedSampler
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "named_parameters", "init_process_group"]
+__all__ = ["DistributedOptimizer", "DistributedSampler", "broadcast_parameters",
+           "broadcast_optimizer_state", "named_parameters", "init_process_group"]
 
 
 def __getattr__(name):

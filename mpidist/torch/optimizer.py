@@ -26,6 +26,7 @@ import time
 import torch
 
 from mpidist.collectives.window import SharedBuffer
+from mpidist import threads
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
 from mpidist.engine.onebit import is_onebit
@@ -143,6 +144,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression_options: dict | None = None, zero: int = 0, broadcast: bool = True,
                  param_groups=None, **hyper):
         self.comm = c = as_communicator(comm)
+        threads.configure(c.local_size)     # torch's threads, if torch came after MPI
         error = None
         try:
             named = named_parameters(model)
