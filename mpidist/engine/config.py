@@ -82,10 +82,14 @@ def validate(raw: dict, *, name: str = "job", world_size: int | None = None) -> 
 
     # cross-key rules
     strategy = cfg["parallel"]["strategy"]
+    owners: dict = {}                   # a key may belong to several strategies
     for strat, cls in STRATEGIES.items():
         for key in cls.keys:
-            if key in given_keys["parallel"] and strat != strategy:
-                errors.append(f"[parallel] {key} applies to strategy = {strat!r} only (this job uses {strategy!r})")
+            owners.setdefault(key, []).append(strat)
+    for key, strats in owners.items():
+        if key in given_keys["parallel"] and strategy not in strats:
+            errors.append(f"[parallel] {key} applies to strategy = {' or '.join(map(repr, strats))} "
+                          f"only (this job uses {strategy!r})")
     model = cfg["model"]["name"]
     for key in given_keys["model"] - {"name"}:
         if key in SCHEMA["model"] and key not in MODEL_KEYS.get(model, ()):

@@ -141,6 +141,14 @@ SCHEMA: dict[str, dict[str, Field]] = {
                              "random = one worker per step, drawn from the job seed and the step",
                              choices=("fixed", "random")),
         "rho": _f((int, float), 1.0, "admm: penalty parameter", **_pos),
+        "group_size": _f(int, 0, "diloco/local_sgd: ranks per group (data parallel inside, outer "
+                         "steps across); 0 = one group per node", **_nonneg),
+        "sync_every": _f(int, 100, "diloco/local_sgd: inner steps between outer steps (H)", **_pos),
+        "outer_lr": _f((int, float), 0.7, "diloco: outer learning rate", **_pos),
+        "outer_momentum": _f((int, float), 0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", **_prob),
+        "outer_compression": _f(str, "none", "diloco/local_sgd: compressor of the exchange between "
+                                "groups (fp16, bf16, sign, ... of mpidist.compress), or none"),
+        "outer_compression_options": _f(dict, {}, "diloco/local_sgd: options of the outer compressor"),
     },
     "checkpoint": {
         "interval": _f(int, 0, "save every N steps; 0 = only at the end if dir is set", **_nonneg),

@@ -6,6 +6,7 @@ support rules from STRATEGIES, and the loop builds the configured one from it.
 from __future__ import annotations
 
 from mpidist.admm import ADMMStrategy
+from mpidist.engine.diloco import DiLoCo, LocalSGD
 from mpidist.engine.dp import DataParallel
 from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
@@ -17,7 +18,7 @@ __all__ = ["STRATEGIES", "build_strategy"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (DataParallel, ZeroStrategy, PipelineStrategy, ParameterServerStrategy,
-                              ADMMStrategy)}
+                              ADMMStrategy, DiLoCo, LocalSGD)}
 
 
 def build_strategy(config: dict, comm, meta: dict) -> Strategy:

@@ -1,0 +1,209 @@
+"""`strategy = "diloco"` and `"local_sgd"`: data parallel inside groups of ranks, an outer
+step across groups every H inner steps (mpidist.diloco; Douillard et al. 2023, DiLoCo).
+
+[parallel] group_size (0: a group per node), sync_every (H), outer_lr and outer_momentum
+(diloco: Nesterov SGD, 0.7 and 0.9 by default; local_sgd: averaging, lr 1, no momentum),
+outer_compression (+ outer_compression_options) for the exchange between groups; the inner
+step is the job's optimizer, data parallel over the group (algorithm, bucket_mb,
+accumulation as for dp). Every rank reads its own rows of each global batch, so a group of
+k ranks trains on k/p of it; the loss and metrics are the global ones (one 24-byte
+allreduce per step), the heavy traffic stays in the group. The last step syncs too, so
+the job ends on theta_outer; between syncs evaluation sees each group's own model on its
+share of the test rows.
+
+Checkpoints: params/ is theta_outer and optim/outer_momentum_buffer/ its momentum (the
+model state, resharded at any world size); each group's inner parameters and optimizer
+state are rows of diloco/params/ and diloco/optim/<state>/ ((G, *shape) tensors), the
+round's sample counts diloco/round (G, 2), the outer exchange's residuals compress/ (one row
+per group). Resumed with the same number of groups, a checkpoint written mid-round
+continues the same trajectory; with another number, the round restarts from theta_outer
+and group g takes the inner optimizer state of old group g * G_old // G.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpidist.compress import make_compressor
+from mpidist.diloco import OuterOptimizer, make_groups
+from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
+from mpidist.engine.dp import DataParallel
+from mpidist.engine.strategy import Strategy
+from mpidist.kernels.backend import to_numpy
+from mpidist.partition import chunk
+from mpidist.state import StateDict, TensorPiece, read_flat, read_params, replicated_pieces
+
+__all__ = ["DiLoCo", "LocalSGD"]
+
+
+def _row_pieces(prefix: str, layout, flat, row: int, rows: int, rank: int, size: int) -> dict:
+    """Row `row` of the (rows, *shape) tensors "<prefix>/<name>": the group's flat buffer,
+    written by its `size` ranks, rank by rank a chunk of it."""
+    lo, count = layout.shard(rank, size)
+    out = {}
+    for index, start, stop in layout.clip(lo, lo + count):
+        seg = layout.segments[index]
+        out[f"{prefix}/{seg.name}"] = TensorPiece((rows, *seg.shape), row * seg.size + start - seg.offset,
+                                                  to_numpy(flat[start:stop]))
+    return out
+
+
+def _read_row(source, prefix: str, layout, out, row: int) -> None:
+    """Fill the flat buffer out from row `row` of the (rows, *shape) tensors "<prefix>/<name>"."""
+    for seg in layout.segments:
+        key = f"{prefix}/{seg.name}"
+        if tuple(source.shape(key)[1:]) != seg.shape:
+            raise ValueError(f"checkpoint tensor {key} has rows of shape {tuple(source.shape(key)[1:])}, "
+                             f"the model's {seg.name} is {seg.shape}")
+        out[seg.offset:seg.stop] = np.asarray(source.read(key, row * seg.size, seg.size), dtype=out.dtype)
+
+
+class DiLoCo(Strategy):
+    """DiLoCo over groups of ranks, each group an inner data-parallel job (engine.dp)."""
+    name = "diloco"
+    keys = ("group_size", "sync_every", "outer_lr", "outer_momentum", "outer_compression",
+            "outer_compression_options")
+
+    @classmethod
+    def config_errors(cls, parallel: dict, world_size: int | None = None) -> list[str]:
+        errors = super().config_errors(parallel, world_size)
+        if parallel["compression"] != "none":
+            errors.append(f"[parallel] compression = {parallel['compression']!r}: strategy = "
+                          f"{cls.name!r} keeps gradients within a group; compress the exchange "
+                          f"between groups with outer_compression instead")
+        name, options = parallel["outer_compression"], parallel["outer_compression_options"]
+        if name != "none":
+            try:
+                make_compressor(name, **(options if isinstance(options, dict) else {}))
+            except (TypeError, ValueError) as exc:
+                errors.append(f"[parallel] outer_compression = {name!r}: {exc}")
+        elif options:
+            errors.append("[parallel] outer_compression_options needs outer_compression = '<name>'")
+        return errors
+
+    def outer_hyper(self, parallel: dict) -> tuple[float, float]:
+        """(outer lr, outer momentum) of this strategy."""
+        return parallel["outer_lr"], parallel["outer_momentum"]
+
+    def __init__(self, config: dict, comm, meta: dict):
+        super().__init__(config, comm, meta)
+        p = config["parallel"]
+        self.groups = make_groups(comm, p["group_size"])
+        self.inner = DataParallel(config, self.groups.group, meta)
+        self.model, self.layout = self.inner.model, self.inner.layout
+        self.sync_every = int(p["sync_every"])
+        self.total_steps = int(config["job"].get("total_steps") or 0)
+        lr, momentum = self.outer_hyper(p)
+        self.outer = OuterOptimizer(self.inner.params.data, self.layout, self.groups, lr=lr,
+                                    momentum=momentum, compression=p["outer_compression"],
+                                    compression_options=p["outer_compression_options"],
+                                    algorithm=p["algorithm"])
+        self.round_start = 0               # the step theta_outer was last set
+        self.round = np.zeros(2)           # samples this round: my group's, all groups'
+
+    def group_rows(self, global_count: int) -> int:
+        """Rows of a global batch of global_count that my group reads (no communication)."""
+        return sum(chunk(global_count, r, self.comm.size)[1] for r in self.groups.members)
+
+    def train_step(self, x, y, global_count: int | None = None) -> dict:
+        if global_count is None:
+            global_count = self.comm.comm.allreduce(0 if x is None else len(x))
+        group_count = self.group_rows(global_count)
+        m = self.inner.train_step(x, y, global_count=group_count)
+        self.step += 1
+        # the global loss and accuracy: each group's sums once, from its leader
+        stats = np.zeros(3)
+        if self.groups.is_leader:
+            stats[:] = (m["loss"] * m["count"], m["correct"], m["count"])
+        self.comm.comm.Allreduce(np.copy(stats), stats)
+        self.round += (group_count, global_count)
+        out = {**m, "loss": stats[0] / max(stats[2], 1), "correct": int(stats[1]), "count": int(stats[2]),
+               "synced": False}
+        if self.step - self.round_start >= self.sync_every or self.step == self.total_steps:
+            info = self.outer.sync(self.inner.params.data, self.round[0] / self.round[1])
+            self.round_start, self.round[:] = self.step, 0
+            out.update(synced=True, outer_skipped=info["skipped"], outer_bytes=info["bytes"],
+                       t_comm=m["t_comm"] + info["t_comm"], t_optim=m["t_optim"] + info["t_optim"])
+        return out
+
+    def evaluate(self, x, y) -> dict:
+        loss_sum = correct = 0.0
+        count = 0 if x is None else len(x) * self.inner.tokens
+        if count:
+            logits = self.inner.predict(x)
+            loss_sum, correct = self.inner.loss.forward(logits, self.inner.xp.asarray(y))
+        totals = self.comm.comm.allreduce(np.array([loss_sum, correct, count], dtype=np.float64))
+        return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
+
+    def state_dict(self) -> StateDict:
+        r, s, g = self.comm.rank, self.comm.size, self.groups
+        gr, gs = g.group.rank, g.group.size
+        tensors = replicated_pieces("params", self.layout, self.outer.theta, r, s)
+        for name, buf in sorted(self.outer.optimizer.state_buffers().items()):
+            tensors.update(replicated_pieces(f"optim/outer_{name}", self.layout, buf, r, s))
+        tensors.update(_row_pieces("diloco/params", self.layout, self.inner.params.data, g.index, g.count, gr, gs))
+        inner = self.inner.optimizer
+        for name, buf in sorted(inner.state_buffers().items()):
+            tensors.update(_row_pieces(f"diloco/optim/{name}", self.layout, buf, g.index, g.count, gr, gs))
+        scalars = {"optim_step": inner.step_count, "optim": inner.name, "optim_extra": inner.extra_state(),
+                   "outer_step": self.outer.optimizer.step_count, "outer_syncs": self.outer.steps,
+                   "diloco_groups": g.count, "round_start": self.round_start}
+        if g.is_leader:
+            tensors["diloco/round"] = TensorPiece((g.count, 2), 2 * g.index, self.round.copy())
+        ca = self.outer.compressed
+        if ca is not None:           # leaders only: the outer exchange's residuals, a row per group
+            tensors.update(compression_pieces(ca, self.layout, g.index, g.count))
+            scalars["compression"] = compression_scalars(ca)
+        return StateDict(self.step, tensors, scalars)
+
+    def load_state_dict(self, source) -> None:
+        g, sc = self.groups, source.scalars
+        keys = set(source.keys())
+        read_params(source, self.layout, self.outer.theta)
+        for name, buf in self.outer.optimizer.state_buffers().items():
+            read_flat(source, f"optim/outer_{name}", self.layout, buf)
+        self.outer.optimizer.step_count = int(sc.get("outer_step", 0))
+        self.outer.steps = int(sc.get("outer_syncs", 0))
+        self.step = int(source.step)
+        old = int(sc.get("diloco_groups", 0))
+        same = old == g.count and all(f"diloco/params/{seg.name}" in keys for seg in self.layout.segments)
+        params = self.inner.params.data
+        if same:                     # the round goes on where it stood
+            _read_row(source, "diloco/params", self.layout, params, g.index)
+            self.round_start = int(sc.get("round_start", self.step))
+            self.round[:] = source.read("diloco/round", 2 * g.index, 2) if "diloco/round" in keys else 0
+        else:                        # a new round from theta_outer
+            params[...] = self.outer.theta
+            self.round_start, self.round[:] = self.step, 0
+        inner = self.inner.optimizer
+        row = g.index * old // g.count if old else 0
+        for name, buf in inner.state_buffers().items():
+            if f"diloco/optim/{name}/{self.layout.segments[0].name}" in keys:
+                _read_row(source, f"diloco/optim/{name}", self.layout, buf, row)
+        inner.step_count = int(sc.get("optim_step", source.step))
+        if "optim_extra" in sc:
+            inner.load_extra_state(sc["optim_extra"])
+        self.inner.step = self.step
+        self.inner.dopt.zero_grad()
+        ca = self.outer.compressed
+        if ca is not None:
+            restore_compression(ca, source, self.layout, [(0, self.layout.numel)], g.index, g.count)
+
+    def memory_report(self) -> dict:
+        rep = self.inner.memory_report()
+        outer = int(self.outer.theta.nbytes + self.outer.delta.nbytes) + \
+            sum(int(b.nbytes) for b in self.outer.optimizer.state_buffers().values())
+        rep["optim"] += outer
+        rep["total"] += outer
+        return rep
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class LocalSGD(DiLoCo):
+    """Local SGD: DiLoCo whose outer step is plain averaging (outer lr 1, no momentum)."""
+    name = "local_sgd"
+    keys = ("group_size", "sync_every", "outer_compression", "outer_compression_options")
+
+    def outer_hyper(self, parallel: dict) -> tuple[float, float]:
+        return 1.0, 0.0

@@ -1,0 +1,172 @@
+"""DiLoCo and local SGD in the engine, at any rank count (groups of 2 ranks; the last may
+hold one): H = 1 with outer SGD lr 1 is data parallel, local SGD is the average of the
+groups' independent runs at every sync, and a checkpoint written mid-round resumes the
+same trajectory."""
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist.comm import Communicator
+from mpidist.diloco import group_colors
+from mpidist.engine.config import validate
+from mpidist.engine.loop import run
+from mpidist.engine.metrics import read_metrics
+from mpidist.engine.strategies import build_strategy
+from mpidist.errors import ConfigError
+from mpidist.partition import chunk
+
+FEATURES, CLASSES, BATCH = 12, 4, 20
+META = {"kind": "classification", "in_shape": (FEATURES,), "classes": CLASSES}
+
+
+def _config(strategy: str, optim: dict, steps: int, **parallel) -> dict:
+    cfg = validate({"job": {"steps": steps, "progress": False, "plot": False, "seed": 3},
+                    "model": {"name": "mlp", "hidden": [16]},
+                    "data": {"dataset": "synthetic", "features": FEATURES, "classes": CLASSES},
+                    "optim": optim, "parallel": {"strategy": strategy, "algorithm": "ring", **parallel}},
+                   name="diloco")
+    cfg["job"]["total_steps"] = steps
+    return cfg
+
+
+def _batches(steps: int):
+    """The same global batches on every rank."""
+    rng = np.random.default_rng(11)
+    return [(rng.standard_normal((BATCH, FEATURES)).astype(np.float32),
+             rng.integers(0, CLASSES, BATCH)) for _ in range(steps)]
+
+
+def _agree(comm, ok: bool) -> bool:
+    return comm.all(ok)
+
+
+def test_groups_are_nodes_or_runs_of_group_size():
+    assert group_colors([0, 0, 1, 1, 1], 0) == [0, 0, 1, 1, 1]
+    assert group_colors([3, 3, 0, 0], 0) == [0, 0, 1, 1]          # numbered by lowest rank
+    assert group_colors([0] * 5, 2) == [0, 0, 1, 1, 2]
+    assert group_colors([0] * 3, 8) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_one_inner_step_with_outer_sgd_lr_1_is_data_parallel(comm, momentum):
+    """H = 1, outer lr 1, no outer momentum: sum_g w_g (theta - theta_g) = lr * the global
+    mean gradient, so every step is the dp step (inner SGD, with momentum too)."""
+    steps, batches = 6, _batches(6)
+    optim = {"name": "sgd", "lr": 0.1, "hyper": {"momentum": momentum, "weight_decay": 1e-4}}
+    dl = build_strategy(_config("diloco", optim, steps, group_size=2, sync_every=1, outer_lr=1.0,
+                                outer_momentum=0.0), comm, META)
+    dp = build_strategy(_config("dp", optim, steps), comm, META)
+    lo, n = chunk(BATCH, comm.rank, comm.size)
+    losses = []
+    for x, y in batches:
+        a = dl.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
+        b = dp.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
+        losses.append((a["loss"], b["loss"]))
+        assert a["synced"] and a["count"] == b["count"] == BATCH
+    diff = float(np.max(np.abs(dl.inner.params.data - dp.params.data)))
+    assert _agree(comm, diff < 1e-6), diff
+    assert np.allclose(*zip(*losses), rtol=1e-6)
+    assert np.array_equal(dl.outer.theta, dl.inner.params.data)
+    dl.close()
+    dp.close()
+
+
+def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm):
+    """Each group of 2 trains alone (AdamW, its own state) for H steps; then every rank holds
+    the groups' average weighted by their rows, and the groups go on from it."""
+    steps, sync = 7, 3
+    optim = {"name": "adamw", "lr": 0.01, "hyper": {"weight_decay": 0.01}}
+    cfg = _config("local_sgd", optim, steps, group_size=2, sync_every=sync)
+    ls = build_strategy(cfg, comm, META)
+    colors = group_colors([0] * comm.size, 2)
+    groups = max(colors) + 1
+    rows = [[r for r in range(comm.size) if colors[r] == g] for g in range(groups)]
+    spans = [(chunk(BATCH, rs[0], comm.size)[0], sum(chunk(BATCH, r, comm.size)[1] for r in rs)) for rs in rows]
+    self_comm = Communicator(MPI.COMM_SELF)
+    refs = [build_strategy(_config("dp", optim, steps), self_comm, META) for _ in range(groups)]
+    lo, n = chunk(BATCH, comm.rank, comm.size)
+    worst = 0.0
+    for step, (x, y) in enumerate(_batches(steps), start=1):
+        m = ls.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
+        for ref, (a, k) in zip(refs, spans):
+            ref.train_step(x[a:a + k], y[a:a + k], global_count=k)
+        if step % sync == 0 or step == steps:
+            assert m["synced"]
+            avg = sum(ref.params.data.astype(np.float64) * k for ref, (_, k) in zip(refs, spans)) / BATCH
+            for ref in refs:
+                ref.params.data[...] = avg
+            worst = max(worst, float(np.max(np.abs(ls.inner.params.data - avg))))
+        else:
+            assert not m["synced"]
+            mine = refs[colors[comm.rank]].params.data     # between syncs: the group's own run
+            worst = max(worst, float(np.max(np.abs(ls.inner.params.data - mine))))
+    assert _agree(comm, worst < 1e-6), worst
+    for ref in refs:
+        ref.close()
+    self_comm.free()
+    ls.close()
+
+
+def _loop_config(shared_dir, name, resume, **parallel):
+    return validate({"job": {"steps": 11, "eval_every": 0, "progress": False, "plot": False, "seed": 4,
+                             "out_dir": os.path.join(shared_dir, name)},
+                     "model": {"name": "mlp", "hidden": [16]},
+                     "data": {"dataset": "synthetic", "samples": 300, "features": FEATURES,
+                              "classes": CLASSES, "batch_size": BATCH,
+                              "cache_dir": os.path.join(shared_dir, "data")},
+                     "optim": {"name": "adamw", "lr": 0.01, "hyper": {"weight_decay": 0.01}},
+                     "parallel": {"strategy": "diloco", "algorithm": "ring", "group_size": 2,
+                                  "sync_every": 4, **parallel},
+                     "checkpoint": {"interval": 6, "dir": os.path.join(shared_dir, "ckpt"),
+                                    "resume": resume}}, name=name)
+
+
+@pytest.mark.parametrize("outer", [{}, {"outer_compression": "sign"}])
+def test_a_checkpoint_written_mid_round_resumes_the_same_trajectory(comm, shared_dir, outer):
+    """The straight run saves at step 6 (two steps into the second round of 4) and 11; from
+    step 6 the resumed run gives the same losses and final model, so theta_outer, the outer
+    momentum, each group's inner parameters and AdamW moments, the round's sample counts
+    and the outer exchange's residuals all carried over."""
+    straight = run(_loop_config(shared_dir, "straight", False, **outer), comm)
+    if comm.rank == 0:
+        os.remove(os.path.join(shared_dir, "ckpt", "ckpt-00000011.h5"))
+    comm.comm.Barrier()
+    resumed = run(_loop_config(shared_dir, "resumed", True, **outer), comm)
+    if comm.rank == 0:
+        a, b = (read_metrics(os.path.join(shared_dir, n, "metrics.jsonl")) for n in ("resumed", "straight"))
+        assert [r["step"] for r in a if r["event"] == "step"] == list(range(7, 12))
+        assert [r["loss"] for r in a if r["event"] == "step"] == \
+            [r["loss"] for r in b if r["event"] == "step" and r["step"] > 6]
+    assert resumed["test_loss"] == straight["test_loss"]
+
+
+def test_outer_nesterov_moves_theta_outer_past_the_average(comm):
+    """DiLoCo's outer step with momentum differs from averaging from the second sync on
+    (the first Nesterov step is lr * (1 + momentum) * delta), and every rank agrees."""
+    optim = {"name": "sgd", "lr": 0.1}
+    x, y = _batches(1)[0]
+    lo, n = chunk(BATCH, comm.rank, comm.size)
+    out = []
+    for strategy, extra in (("diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("local_sgd", {})):
+        s = build_strategy(_config(strategy, optim, 4, group_size=2, sync_every=2, **extra), comm, META)
+        start = s.outer.theta.copy()
+        s.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
+        s.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
+        out.append(s.outer.theta - start)
+        s.close()
+    diloco, local = out
+    assert np.allclose(diloco, 0.7 * 1.9 * local, rtol=1e-4, atol=1e-7)
+    assert comm.comm.allreduce(float(diloco.sum())) == pytest.approx(comm.size * float(diloco.sum()), rel=1e-12)
+
+
+def test_config_errors_name_the_outer_options():
+    with pytest.raises(ConfigError, match="compress the exchange between groups with outer_compression"):
+        validate({"parallel": {"strategy": "diloco", "compression": "fp16"}})
+    with pytest.raises(ConfigError, match="outer_lr applies to strategy = 'diloco' only"):
+        validate({"parallel": {"strategy": "local_sgd", "outer_lr": 0.5}})
+    with pytest.raises(ConfigError, match="sync_every applies to strategy = 'diloco' or 'local_sgd'"):
+        validate({"parallel": {"strategy": "dp", "sync_every": 5}})
+    with pytest.raises(ConfigError, match="outer_compression = 'nope'"):
+        validate({"parallel": {"strategy": "diloco", "outer_compression": "nope"}})
