@@ -40,6 +40,7 @@ def info(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
     from mpidist.collectives import select
     from mpidist import threads
+    from mpidist import mpilib
     from mpidist.comm import Communicator, mpi_library
     from mpidist.h5 import parallel_hdf5
     from mpidist.kernels.backend import cupy_available, gpu_available
@@ -53,6 +54,8 @@ def info(argv: list[str] | None = None) -> int:
         rows = [
             ("mpidist", mpidist.__version__),
             ("MPI library", mpi_library()),
+            ("MPI family / ABI", f"{mpilib.family()} / {mpilib.abi()}"
+                                 + (f" ({mpilib.path()})" if mpilib.path() else "")),
             ("MPI standard", "%d.%d" % MPI.Get_version()),
             ("mpi4py", __import__("mpi4py").__version__),
             ("ranks", str(comm.size)),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from mpidist import threads
+from mpidist import mpilib, threads
 from mpidist.checks import positive_int
 from mpidist.errors import MismatchError, agree_or_raise, format_ranks
 from mpidist.kernels.backend import cupy, is_cupy, synchronize
@@ -322,7 +322,7 @@ def cuda_aware_mpi() -> bool:
 @functools.lru_cache(maxsize=None)
 def _ompi_built_with_cuda() -> bool:
     """Open MPI says whether it was built with CUDA support through ompi_info."""
-    if "Open MPI" not in MPI.Get_library_version():
+    if mpilib.family() != "openmpi":
         return False
     try:
         out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
@@ -333,5 +333,5 @@ def _ompi_built_with_cuda() -> bool:
 
 
 def mpi_library() -> str:
-    """The MPI library's own one-line version string."""
-    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
+    """The MPI library's own one-line version string (mpilib.version)."""
+    return mpilib.version()

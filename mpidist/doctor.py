@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from mpidist import threads
+from mpidist import mpilib, threads
 from mpidist.comm import Communicator, cuda_aware_mpi, mpi_library
 from mpidist.errors import format_ranks
 from mpidist.h5 import parallel_hdf5
@@ -67,26 +66,14 @@ def facts(comm: Communicator) -> dict:
         "rank": comm.rank, "size": comm.size, "host": MPI.Get_processor_name(),
         "node": comm.node, "local_size": comm.local_size, "cores": cores,
         "launcher": {v: os.environ[v] for v in _SIZE_VARS if os.environ.get(v)},
-        "library": mpi_library(), "libmpi": _loaded_libmpi(),
+        "library": mpi_library(), "libmpi": mpilib.path(), "abi": mpilib.abi(),
+        "family": mpilib.family(),
         "thread_level": MPI.Query_thread(), "gpus": gpus,
         "numba_threads": numba_threads, "numba_layer": numba_layer,
         "threads": threads.setting().describe() if threads.setting() else "not set",
         "env": {k: v for k, v in os.environ.items()
-                if k.startswith(("OMPI_MCA_", "MPIDIST_", "MPI4PY_"))},
+                if k.startswith(("OMPI_MCA_", "MPIR_CVAR_", "MPIDIST_", "MPI4PY_"))},
     }
-
-
-def _loaded_libmpi() -> str:
-    """The path of the libmpi this process loaded (from /proc/self/maps; '' elsewhere)."""
-    try:
-        with open("/proc/self/maps") as fh:
-            for line in fh:
-                path = line.split()[-1]
-                if re.search(r"/libmpi(ch)?[._-][^/]*so", path):
-                    return path
-    except OSError:
-        pass
-    return ""
 
 
 def _rma_works(comm: Communicator) -> str:
@@ -149,7 +136,7 @@ def check_library(all_facts: list[dict], launcher_vendor: str) -> Verdict:
     """mpi4py's MPI library against the launcher's, the same on every rank."""
     libs = Counter(f["library"] for f in all_facts)
     mine = all_facts[0]
-    found = f"{mine['library']}; mpi4py {__import__('mpi4py').__version__}" + \
+    found = f"{mine['library']} (ABI {mine.get('abi', '?')}); mpi4py {__import__('mpi4py').__version__}" + \
         (f"; libmpi {mine['libmpi']}" if mine["libmpi"] else "")
     if len(libs) > 1:
         return Verdict(FAIL, "ranks loaded different MPI libraries: " +
@@ -206,7 +193,7 @@ def check_shared_memory(all_facts: list[dict], cma: bool, rma_error: str) -> Ver
         return Verdict(FAIL, f"one-sided operations failed: {rma_error}",
                        "the parameter server and the shm allreduce need MPI one-sided RMA; "
                        "check the MPI library's osc components (ompi_info | grep osc)")
-    if mpi_vendor() != "openmpi":
+    if all_facts[0].get("family") != "openmpi":
         return Verdict(OK, "one-sided atomics work between all ranks")
     if not cma and single_copy not in ("none",):
         return Verdict(WARN, "this machine forbids cross-memory attach (ptrace), which Open MPI's "
@@ -259,7 +246,7 @@ def check_ulfm(all_facts: list[dict]) -> Verdict:
     lib = all_facts[0]["library"]
     env = all_facts[0]["env"]
     has_api = hasattr(MPI.Comm, "Shrink") and hasattr(MPI.Comm, "Revoke")
-    active = env.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")
+    active = mpilib.ulfm_switched_on(env)
     if not has_api:
         return Verdict(INFO, "mpi4py has no ULFM API (Comm.Shrink/Revoke): fault_tolerance unavailable")
     if active:
@@ -267,6 +254,9 @@ def check_ulfm(all_facts: list[dict]) -> Verdict:
     if "Open MPI v5" in lib or "Open MPI v6" in lib:
         return Verdict(INFO, "ULFM off: start with `mpiexec --with-ft ulfm` (mpidist.launcher --ft) "
                              "to survive a lost rank")
+    if all_facts[0].get("family") == "mpich":
+        return Verdict(INFO, "ULFM off: MPICH turns it on with MPIR_CVAR_ENABLE_FT=1 in every rank's "
+                             "environment")
     return Verdict(INFO, "no ULFM in this MPI library: a lost rank ends the job (Open MPI 5 has it: "
                          "MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh)")
 

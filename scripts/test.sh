@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: plain pytest (one rank, plus the tests that start their own
-# mpiexec), then under mpiexec at N = 2, 3, 4, and the communication core at N = 5.
+# mpiexec), then under mpiexec at N = 2, 3, 4, and the communication core at N = 5; then the
+# MPI-dependent tests again under MPICH (the PyPI wheels, a venv of its own) at N = 2, 3.
 # Installs what it needs first (scripts/setup_env.sh; seconds when already set up).
 # Each run has a wall-clock limit, and each test a timeout, so a deadlock fails, never hangs.
 # Extra arguments go to every pytest run (e.g. -k allreduce, -x).
@@ -17,13 +18,9 @@ else
   echo "[test] the FT environment did not build: tests/ft will skip" >&2
 fi
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$HOME/.cache/mpidist/numba}
-# the torch backend's C++ extension, built once per torch version and cached, so that its
-# tests do not wait for the compiler
-# the mismatch guard's compiled ballot, likewise (its first compile takes seconds)
+# the mismatch guard's compiled ballot, compiled once here so that the tests do not wait for
+# it (its first compile takes seconds)
 python -c 'from mpidist.collectives.ballot import compile_kernels; compile_kernels()' || echo "[test] the guard's ballot did not compile" >&2
-if python -c 'import torch' 2>/dev/null; then
-  python -m mpidist.torch.backend >/dev/null || echo "[test] the mpidist torch backend did not build" >&2
-fi
 out=$(mktemp -d /tmp/mpidist-tests.XXXXXX)
 limit=${MPIDIST_TEST_RUN_LIMIT:-900}
 status=0
@@ -53,6 +50,28 @@ run() {  # run LABEL NRANKS PYTEST-ARGS...
 run n1 plain tests --durations=15 "$@"
 for n in 2 3 4; do run "n$n" "$n" tests "$@"; done
 run n5 5 tests/test_comm.py tests/collectives "$@"
+
+# a second MPI: MPICH from PyPI, in its own cached venv (scripts/setup_env.sh MPIDIST_MPI=mpich),
+# its own Numba cache (the ballot's kernels are compiled for MPICH's 32-bit handles); the
+# collectives and the guard, the parameter server, checkpoints (the writer without MPI-IO),
+# the engine, mpidist.torch and the torch backend; and the main job through the launcher
+MPICH_TESTS=(tests/test_comm.py tests/collectives tests/ps tests/checkpoint tests/engine
+             tests/torch tests/torch_backend)
+if mpich_venv=$(MPIDIST_MPI=mpich bash "$here/scripts/setup_env.sh" | tail -n 1); then
+  (
+    # shellcheck disable=SC1091
+    source "$mpich_venv/bin/activate"
+    export NUMBA_CACHE_DIR=$NUMBA_CACHE_DIR-mpich
+    python -c 'from mpidist.collectives.ballot import compile_kernels; compile_kernels()' \
+      || echo "[test] the guard's ballot did not compile under MPICH" >&2
+    for n in 2 3; do run "mpich-n$n" "$n" "${MPICH_TESTS[@]}" "$@"; done
+    run mpich-job plain tests/engine/test_train_job.py -k main_job "$@"
+    exit $status
+  ) || status=1
+else
+  echo "[test] the MPICH environment did not build" >&2
+  status=1
+fi
 
 python - "$out" <<'PY' || status=1
 import glob, sys, xml.etree.ElementTree as ET

@@ -21,6 +21,7 @@ import time
 
 from mpi4py import MPI
 
+from mpidist import mpilib
 from mpidist.comm import Communicator
 
 __all__ = ["active", "failure_of", "broken", "revoke", "shrink", "world_ranks", "exit_now"]
@@ -31,9 +32,9 @@ _FAILURE_CLASSES = tuple(getattr(MPI, name) for name in
 
 
 def active() -> bool:
-    """True in a job started with ULFM on (`mpiexec --with-ft ulfm`) by an MPI that has it."""
-    flag = os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower()
-    return flag in ("1", "true", "yes", "on") and hasattr(MPI.Comm, "Shrink") and bool(_FAILURE_CLASSES)
+    """True in a job started with ULFM on (Open MPI's `mpiexec --with-ft ulfm`, MPICH's
+    MPIR_CVAR_ENABLE_FT=1) by an MPI whose mpi4py has the ULFM calls and error classes."""
+    return mpilib.ulfm_switched_on() and hasattr(MPI.Comm, "Shrink") and bool(_FAILURE_CLASSES)
 
 
 def failure_of(exc: BaseException | None) -> "MPI.Exception | None":

@@ -12,6 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from mpidist import mpilib
 from mpidist.comm import Communicator
 
 __all__ = ["BufferPool", "ProgressThread", "single_copy"]
@@ -83,7 +84,7 @@ def single_copy(comm: Communicator) -> bool:
     mpidist's launcher sets the mechanism to "none" where the machine forbids it. With a
     transport that copies through fragments, or across nodes, the sender must progress.
     Where single copy works the helper's wake-ups only slow the computes (docs/PERFORMANCE.md)."""
-    if comm.num_nodes != 1 or "Open MPI" not in MPI.Get_library_version():
+    if comm.num_nodes != 1 or mpilib.family() != "openmpi":
         return False
     return all(os.environ.get(f"OMPI_MCA_btl_{btl}_single_copy_mechanism", "").lower() != "none"
                for btl in ("vader", "sm"))
