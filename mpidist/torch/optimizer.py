@@ -40,8 +40,8 @@ from mpidist.torch.params import (bcast_tensor, broadcast_parameters, check_para
                                   check_same_params, named_parameters)
 from mpidist.torch.storage import FlatStorage
 from mpidist.torch.tensors import numpy_dtype
-from mpidist.torch.torchstate import (GroupSync, fused_defaults, fused_state_dict, group_dicts,
-                                      load_fused_state)
+from mpidist.torch.torchstate import (GroupSync, delegated, fused_defaults, fused_state_dict,
+                                      group_dicts, load_fused_state)
 from mpidist.torch.zero import Zero, shard_of
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
@@ -138,6 +138,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     and are only broadcast. Writes into `param_groups` reach the next step.
     """
 
+    param_groups = delegated("param_groups")
+    state = delegated("state")
+    defaults = delegated("defaults")
+
     def __init__(self, model, optimizer="sgd", *, comm=None, op: str = "avg",
                  algorithm: str = "auto", bucket_mb: float = 4.0,
                  backward_passes_per_step: int = 1, compression: str | None = None,
@@ -219,8 +223,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inner = self.optimizer
         if isinstance(inner, torch.optim.Optimizer):
             torch.optim.Optimizer.__init__(self, inner.param_groups, dict(inner.defaults))
-            self.param_groups, self.state, self.defaults = \
-                inner.param_groups, inner.state, inner.defaults
+            self._inner_torch = inner        # param_groups, state, defaults: inner's from now
             self._sync = None
             return
         defaults = fused_defaults(inner)

@@ -17,7 +17,25 @@ from mpi4py import MPI
 from mpidist.partition import counts_displs
 from mpidist.torch.tensors import to_numpy
 
-__all__ = ["fused_defaults", "group_dicts", "GroupSync", "fused_state_dict", "load_fused_state"]
+__all__ = ["delegated", "fused_defaults", "group_dicts", "GroupSync", "fused_state_dict",
+           "load_fused_state"]
+
+
+def delegated(name: str) -> property:
+    """An attribute of torch.optim.Optimizer (param_groups, state, defaults) that lives in
+    the wrapped torch optimizer once `_inner_torch` is set: its load_state_dict replaces
+    param_groups with new dicts, which a scheduler on the wrapper must see."""
+    def get(self):
+        inner = self.__dict__.get("_inner_torch")
+        return getattr(inner, name) if inner is not None else self.__dict__["_own_" + name]
+
+    def put(self, value):
+        inner = self.__dict__.get("_inner_torch")
+        if inner is not None:
+            setattr(inner, name, value)
+        else:
+            self.__dict__["_own_" + name] = value
+    return property(get, put)
 
 
 def fused_defaults(opt) -> dict:
