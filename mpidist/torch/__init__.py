@@ -3,18 +3,14 @@ flat buffers. Needs torch (the `[torch]` extra); `import mpidist` does not.
 
     import mpidist.torch as mt
     opt = mt.DistributedOptimizer(model, "adamw", lr=1e-3)    # or a torch.optim optimizer
+
+Importing it registers the "mpidist" torch.distributed backend (mpidist.torch.backend).
 """
+# importing the backend registers "mpidist" with torch.distributed
+from mpidist.torch.backend import init_process_group
 from mpidist.torch.optimizer import (DistributedOptimizer, broadcast_optimizer_state,
                                      broadcast_parameters, named_parameters)
 from mpidist.torch.sampler import DistributedSampler
 
 __all__ = ["DistributedOptimizer", "DistributedSampler", "broadcast_parameters",
            "broadcast_optimizer_state", "named_parameters", "init_process_group"]
-
-
-def __getattr__(name):
-    # the torch.distributed backend (mpidist.torch.backend) is imported on first use only
-    if name == "init_process_group":
-        from mpidist.torch.backend import init_process_group   # deferred: builds a C++ extension
-        return init_process_group
-    raise AttributeError(f"module 'mpidist.torch' has no attribute {name!r}")

@@ -10,10 +10,7 @@ def groups():
     # torch is optional: the test modules skip without it, so it is imported only here
     import torch.distributed as dist
 
-    from mpidist.torch.backend import build, init_process_group
-    why = build.unavailable()
-    if why:
-        pytest.skip(f"the backend's C++ extension can not be built here: {why}")
+    from mpidist.torch.backend import init_process_group
     init_process_group()
     gloo = dist.new_group(backend="gloo")       # rendezvous through the default group's store
     yield dist.group.WORLD, gloo

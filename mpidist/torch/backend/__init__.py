@@ -12,10 +12,12 @@ duplicate of `comm` (default COMM_WORLD), so a host code's own messages stay apa
 mpidist's algorithm choice ("auto", or one named per process group). CPU tensors, and CUDA
 tensors ordered after torch's current stream (cuda.py).
 
-torch 2.x has no C++ backend base that Python can subclass, and DDP's reducer needs one, so
-a small C++ extension (backend.cpp) derives from c10d::Backend and forwards each collective
-to Python (group.Group). It is compiled on first use per torch version and cached
-(build.py); importing this module compiles nothing.
+The backend is plain Python: a torch.distributed.ProcessGroup subclass (process_group.py)
+registered for "cpu" and "cuda", which torch's C++ callers (DDP's reducer, DTensor's
+functional collectives) reach through torch's own ProcessGroup trampoline; nothing is
+compiled. Importing this module (or mpidist.torch) registers "mpidist"; under an MPI
+launcher it also fills torch's rendezvous variables (register), so a plain
+`torch.distributed.init_process_group("mpidist")` works.
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ from mpi4py import MPI
 
 from mpidist.collectives.registry import algorithm_names
 from mpidist.comm import Communicator
-from mpidist.torch.backend import build
 from mpidist.torch.backend.group import Group
+from mpidist.torch.backend.process_group import NAME, ProcessGroup
 
-__all__ = ["NAME", "register", "init_process_group", "Group"]
+__all__ = ["NAME", "register", "init_process_group", "Group", "ProcessGroup"]
 
-NAME = "mpidist"
+_MARK = "MPIDIST_TORCH_RENDEZVOUS"     # "<pid>": the process that filled the variables
+_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _lock = threading.Lock()
 _state = {"registered": False, "comm": None, "algorithm": "auto", "world": None}
 
@@ -52,8 +55,25 @@ def register(*, rendezvous_env: bool = True) -> None:
                                           devices=["cpu", "cuda"])
             _state["registered"] = True
     if rendezvous_env:
-        for key, value in _rendezvous(MPI.COMM_WORLD).items():
-            os.environ.setdefault(key, str(value))
+        _fill_env()
+
+
+def _fill_env() -> None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from MPI where unset
+    (collective over COMM_WORLD). Values a parent process filled (a job started from inside a
+    rank inherits them) are replaced: they describe the parent's job."""
+    mark = os.environ.get(_MARK)
+    if mark is not None and mark != str(os.getpid()):
+        for key in _KEYS:
+            os.environ.pop(key, None)
+    for key, value in _rendezvous(MPI.COMM_WORLD).items():
+        os.environ.setdefault(key, str(value))
+    os.environ[_MARK] = str(os.getpid())
+
+
+def _launched() -> bool:
+    """Whether this process is a rank started by an MPI launcher (mpiexec, srun)."""
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
 def init_process_group(comm: MPI.Comm | None = None, *, algorithm: str = "auto",
@@ -123,7 +143,7 @@ def _algorithm(options) -> str:
 
 
 def _create(opts, pg_options):
-    """torch's factory (extended API): the Backend of a new process group.
+    """torch's factory (extended API): the ProcessGroup of a new process group.
 
     The default group duplicates the chosen communicator; a subgroup (new_group, a DeviceMesh
     dimension) is created from it by its members alone (MPI_Comm_create_group), as torch
@@ -150,8 +170,10 @@ def _create(opts, pg_options):
                 f"says {comm.rank} of {comm.size}; unset RANK/WORLD_SIZE or use "
                 f"mpidist.torch.backend.init_process_group()")
         algorithm = _algorithm(pg_options)
-        ext = build.load()
-    except (RuntimeError, ValueError, OSError) as exc:
+    except (RuntimeError, ValueError) as exc:
         error = exc
     comm.raise_if_any(error)
-    return ext.create_backend(comm.rank, comm.size, Group(comm, algorithm))
+    return ProcessGroup(Group(comm, algorithm))
+
+
+register(rendezvous_env=_launched())

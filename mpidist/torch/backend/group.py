@@ -1,8 +1,8 @@
 """The Python half of the backend: one torch process group's collectives over one mpidist
 Communicator, done on CPU tensors seen as NumPy arrays (zero-copy views).
 
-The C++ Backend calls `Group.<name>(done, ...)` for each collective and returns a Work at
-once; the collective runs on the group's worker thread, in call order (the same on every
+The ProcessGroup (process_group.py) calls `Group.<name>(done, ...)` for each collective and
+returns a Work at once; the collective runs on the group's worker thread, in call order (the same on every
 rank), and ends with done(None) or done("Error: message"), which completes the Work and its
 future. Reductions use mpidist's algorithms (the group's `algorithm`, "auto" by default);
 on one node, float32/float64 allreduces ("auto" or "shm": DDP's buckets) are reduced in the
@@ -12,7 +12,8 @@ the worker: _begin_here). Data movement is in moves.py. Point-to-point
 messages go on a duplicate communicator, are posted when torch calls send/recv, and complete
 on a second thread, so an exchange where both ranks send first cannot deadlock.
 
-Every collective passes the mismatch guard first (over the window on one node): ranks that
+Every collective passes the mismatch guard once (over the window on one node, else the
+check of the mpidist collective it calls, else _guarded around an MPI call): ranks that
 call different collectives, or pass tensors they disagree on, raise on every rank (through
 Work.wait()) instead of hanging.
 """
@@ -26,12 +27,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidist.collectives import allreduce, flight, guard, reduce_scatter, shm
+from mpidist.collectives import flight, guard, select, shm
 from mpidist.collectives.arrays import as_array
-from mpidist.collectives.ops import OPS, SUPPORTED_DTYPES, get_op
+from mpidist.collectives.core import reduced_bytes, run_allreduce
+from mpidist.collectives.ops import OPS, SUPPORTED_DTYPES, accumulator_dtype, get_op, narrow
 from mpidist.comm import Communicator
 from mpidist.torch.backend import cuda
-from mpidist.torch.backend.moves import Movement
+from mpidist.torch.backend.moves import Movement, parts
 from mpidist.torch.backend.node import DTYPES, Node
 from mpidist.torch.backend.views import bytes_view, numpy_view
 
@@ -117,11 +119,10 @@ class Group(Movement):
             for t in tensors:
                 x = as_array(t.detach())
                 with self._guarded(("torch.allreduce", ("n", x.size), ("dtype", str(x.dtype)),
-                                    ("op", op), ("device", "cuda")), _device_op_error(op, x)):
+                                    ("op", op), ("device", "cuda")), _device_op_error(op)):
                     if op == "premul_sum":
                         t.detach().mul_(factor)
-                    allreduce(as_array(t.detach()), op="sum" if op == "premul_sum" else op,
-                              algorithm=self.algorithm, comm=self.comm)
+                    self._run_allreduce(x, x, "sum" if op == "premul_sum" else op)
                 torch.cuda.synchronize(t.device)         # the results are there at done()
             return
         with cuda.staged(args) as host:
@@ -199,11 +200,19 @@ class Group(Movement):
             if scale is not None:
                 src = t if out is None else t.clone()
                 x = numpy_view(src.mul_(scale))
-            if route == "mpidist":                     # (it checks its arguments again)
-                allreduce(x, op=op, algorithm=self.algorithm, comm=self.comm, out=out)
+            if route == "mpidist":
+                self._run_allreduce(x, x if out is None else out, op)
             else:
                 self.comm.comm.Allreduce(MPI.IN_PLACE if out is None else x,
                                          x if out is None else out, _MPI_OPS[op])
+
+    def _run_allreduce(self, x, y, op: str) -> None:
+        """mpidist's allreduce of x into y with the group's algorithm ("auto": the decision
+        table's choice), after the group's own check (so the guard runs once)."""
+        name = self.algorithm
+        if name == "auto":
+            name = select.choose(self.comm, reduced_bytes(x))
+        run_allreduce(self.comm, x, y, get_op(op), name)
 
     def allreduce(self, done, op, factor, tensors) -> None:
         tensors = list(tensors)
@@ -261,11 +270,13 @@ class Group(Movement):
 
     def _reduce_scatter_lists(self, op, factor, outputs, input_lists) -> None:
         for out, ins in zip(outputs, input_lists):
-            with self._checked("reduce_scatter", lambda: (
-                    ("tensors", _count(ins, self.size)),)):
-                pass
-            self._reduce_scatter(op, factor, out, torch.cat([i.reshape(-1) for i in ins]),
-                                 copy_ok=True)
+            error = None
+            try:
+                _count(ins, self.size)
+            except ValueError as exc:
+                error = exc
+            flat = torch.cat([i.reshape(-1) for i in ins]) if error is None else out
+            self._reduce_scatter(op, factor, out, flat, copy_ok=True, error=error)
 
     @cuda.on_host
     def reduce_scatter_base(self, done, op, factor, output, inp) -> None:
@@ -278,10 +289,13 @@ class Group(Movement):
                 self._reduce_scatter(op, factor, out, inp)
         self._submit(done, run)
 
-    def _reduce_scatter(self, op, factor, out, inp, copy_ok=False) -> None:
-        """out = my chunk of the reduction of inp (inp is left unchanged)."""
-        route, error = None, None
+    def _reduce_scatter(self, op, factor, out, inp, copy_ok=False, error=None) -> None:
+        """out = my chunk of the reduction of inp (inp is left unchanged); error: an argument
+        error found by the caller, raised on every rank."""
+        route = None
         try:
+            if error is not None:
+                raise error
             x, y = numpy_view(inp), numpy_view(out)
             route = _op_route("sum" if op == "premul_sum" else op, x.dtype)
             if x.size != y.size * self.size:
@@ -294,8 +308,8 @@ class Group(Movement):
             x, op = numpy_view(inp), "sum"
         with self._guarded(("torch.reduce_scatter", ("n", None if error else x.size),
                             ("dtype", None if error else str(x.dtype)), ("op", op)), error):
-            if route == "mpidist":                     # (it checks its arguments again)
-                reduce_scatter(x, op=op, comm=self.comm, out=y)
+            if route == "mpidist":
+                _reduce_scatter_into(self.comm, x, y, get_op(op))
             else:
                 self.comm.comm.Reduce_scatter_block(x, y, _MPI_OPS[op])
 
@@ -309,6 +323,18 @@ class Group(Movement):
         self._submit(done, MPI.Request.Waitall, reqs, pool=self._p2p_pool)
 
 
+def _reduce_scatter_into(comm, x, y, opx) -> None:
+    """y = my chunk of x reduced over comm (x has size x y's elements); half precision is
+    reduced in float32. The caller has checked the call."""
+    acc = accumulator_dtype(x.dtype)
+    if acc == x.dtype:
+        parts(comm).reduce_scatter(comm, x, y, opx, finalize_n=comm.size)
+        return
+    wide = np.empty(y.size, acc)
+    parts(comm).reduce_scatter(comm, x.astype(acc), wide, opx, finalize_n=comm.size)
+    narrow(wide, y)
+
+
 def _count(tensors, size: int) -> int:
     if len(tensors) != size:
         raise ValueError(f"reduce_scatter: {len(tensors)} input tensors, one per rank ({size}) "
@@ -316,7 +342,7 @@ def _count(tensors, size: int) -> int:
     return len(tensors)
 
 
-def _device_op_error(op: str, x):
+def _device_op_error(op: str):
     """The error of an allreduce op the device path does not take (else None)."""
     if op == "premul_sum" or op in OPS:
         return None

@@ -9,13 +9,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidist.collectives import allgather
+from mpidist.collectives import ring, shm
 from mpidist.torch.backend.cuda import on_host
 from mpidist.torch.backend.views import bytes_view
 
-__all__ = ["Movement"]
+__all__ = ["Movement", "parts"]
 
-_CARRIERS = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float16))  # moved as bits
+_CARRIERS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16))  # bits
 
 
 class Movement:
@@ -30,15 +30,17 @@ class Movement:
                     self.comm.comm.Bcast(bytes_view(t), root=root)
         self._submit(done, run)
 
-    def _allgather_bytes(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """dst (size x src's bytes) = every rank's src, in rank order: mpidist's allgather
-        on a carrier dtype that divides the length, else MPI_Allgather of bytes."""
+    def _allgather_bytes(self, src: np.ndarray, dst: np.ndarray, describe) -> None:
+        """dst (size x src's bytes) = every rank's src, in rank order, checked once under
+        describe() (which checks the caller's arguments: a ValueError raises on every rank):
+        mpidist's allgather on a carrier dtype that divides the length, else MPI_Allgather
+        of bytes."""
         carrier = next((d for d in _CARRIERS if src.size % d.itemsize == 0), None)
-        if carrier is not None and dst.size == src.size * self.size:
-            allgather(src.view(carrier), out=dst.view(carrier), comm=self.comm)
-            return
-        with self._checked("allgather", lambda: _same_size("allgather", src, dst, self.size)):
-            self.comm.comm.Allgather(src, dst)
+        with self._checked("allgather", describe):
+            if carrier is None:
+                self.comm.comm.Allgather(src, dst)
+            else:
+                parts(self.comm).allgather(self.comm, src.view(carrier), dst.view(carrier))
 
     @on_host
     def allgather_base(self, done, output, inp) -> None:
@@ -46,10 +48,7 @@ class Movement:
 
     def _allgather_base(self, output, inp) -> None:
         src, dst = bytes_view(inp), bytes_view(output)
-        with self._checked("allgather_base",
-                           lambda: _same_size("allgather", src, dst, self.size)):
-            pass
-        self._allgather_bytes(src, dst)
+        self._allgather_bytes(src, dst, lambda: _same_size("allgather", src, dst, self.size))
 
     @on_host
     def allgather_into_tensor_coalesced(self, done, outputs, inputs) -> None:
@@ -69,10 +68,8 @@ class Movement:
     def _allgather_lists(self, output_lists, inputs) -> None:
         for outs, inp in zip(output_lists, inputs):
             src = bytes_view(inp)
-            with self._checked("allgather", lambda: _list_of(outs, src, self.size, "allgather")):
-                pass
             dst = np.empty(src.size * self.size, np.uint8)
-            self._allgather_bytes(src, dst)
+            self._allgather_bytes(src, dst, lambda: _list_of(outs, src, self.size, "allgather"))
             for r, o in enumerate(outs):
                 bytes_view(o)[...] = dst[r * src.size:(r + 1) * src.size]
 
@@ -156,6 +153,12 @@ class Movement:
             with self._checked("barrier", tuple):
                 self.comm.comm.Barrier()
         self._submit(done, run)
+
+
+def parts(comm):
+    """The reduce-scatter/allgather algorithm module of mpidist's "auto" on comm: the
+    shared window within one node of three or more ranks, else the ring."""
+    return shm if shm.preferred(comm) else ring
 
 
 def _count(tensors, size: int, what: str) -> int:
