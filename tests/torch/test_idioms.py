@@ -1,0 +1,257 @@
+"""A torch script's own idioms on mpidist.torch: schedulers take the DistributedOptimizer,
+param_groups writes reach the fused kernels, state_dict goes through torch.save, `.grad`
+is the average (or the sum), autocast and torch.compile work, the sampler shards, and the
+threads per rank default to the node's cores shared among its ranks."""
+import io
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch", reason="mpidist.torch needs PyTorch (the [torch] extra)")
+
+import torch.nn.functional as F                                 # noqa: E402
+
+import mpidist.torch as mt                                      # noqa: E402
+from mpidist import threads                                     # noqa: E402
+
+PER_RANK = 3
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def data(step, size):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(PER_RANK * size, 6, generator=g), torch.randint(0, 3, (PER_RANK * size,),
+                                                                         generator=g)
+
+
+def mine(t, comm):
+    return t[PER_RANK * comm.rank:PER_RANK * (comm.rank + 1)]
+
+
+def assert_close(a, b, rtol=1e-5):
+    a, b = a.detach().double(), b.detach().double()
+    assert float((a - b).abs().max()) <= rtol * max(1e-3, float(b.abs().max())), (a, b)
+
+
+SCHEDULERS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 1.0 / (1 + e)),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=4),
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+        torch.optim.lr_scheduler.ConstantLR(o, factor=0.5, total_iters=1),
+        torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)], milestones=[1]),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-optimizer", "fused"])
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_schedulers_drive_the_update(comm, name, fused):
+    """Every scheduler takes the DistributedOptimizer and the weights follow its lr, as one
+    process with the same scheduler on torch's SGD."""
+    ref, model = make_model(), make_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, inner, comm=comm,
+                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    assert isinstance(opt, torch.optim.Optimizer)
+    rs, s = SCHEDULERS[name](ropt), SCHEDULERS[name](opt)
+    for step in range(4):
+        x, y = data(step, comm.size)
+        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
+            o.zero_grad()
+            F.cross_entropy(m(xs), ys).backward()
+            o.step()
+        loss = float(step % 2)             # a plateau for ReduceLROnPlateau
+        rs.step(loss) if name == "ReduceLROnPlateau" else rs.step()
+        s.step(loss) if name == "ReduceLROnPlateau" else s.step()
+        assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
+    opt.close()
+
+
+def test_param_group_writes_reach_the_fused_kernels(comm):
+    """lr, weight_decay and betas written between steps, and two groups (no decay on
+    biases), give torch's AdamW's weights; lr 0 stops the weights."""
+    ref, model = make_model(), make_model()
+
+    def groups(m):
+        return [{"params": [p for p in m.parameters() if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in m.parameters() if p.dim() == 1], "weight_decay": 0.0}]
+    ropt = torch.optim.AdamW(groups(ref), lr=1e-2)
+    opt = mt.DistributedOptimizer(model, "adamw", lr=1e-2, comm=comm, param_groups=groups(model))
+    writes = [{}, {"lr": 5e-3, "betas": (0.8, 0.99)}, {"weight_decay": 0.3}, {"lr": 0.0}]
+    for step, write in enumerate(writes):
+        for o in (ropt, opt):
+            for g in o.param_groups:
+                g.update(write)
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = data(step, comm.size)
+        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
+            o.zero_grad()
+            F.cross_entropy(m(xs), ys).backward()
+            o.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))   # lr 0
+    opt.close()
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_state_dict_round_trips_through_torch_save(comm, zero):
+    """state_dict -> torch.save -> torch.load (weights only) -> load_state_dict into a fresh
+    model (ZeRO stage 2 there) continues as the uninterrupted run."""
+    model, fresh = make_model(), make_model(seed=4)
+    opt = mt.DistributedOptimizer(model, "adamw", lr=1e-2, comm=comm, zero=zero)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def run(o, m, steps):
+        for step in steps:
+            x, y = data(step, comm.size)
+            o.zero_grad()
+            F.cross_entropy(m(mine(x, comm)), mine(y, comm)).backward()
+            o.step()
+    run(opt, model, range(2))
+    sched.step()
+    buf = io.BytesIO()
+    torch.save({"opt": opt.state_dict(), "model": model.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    again = mt.DistributedOptimizer(fresh, "adamw", lr=1.0, comm=comm, zero=2)
+    fresh.load_state_dict(saved["model"])
+    again.load_state_dict(saved["opt"])
+    assert again.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 5e-3
+    run(opt, model, range(2, 4))
+    run(again, fresh, range(2, 4))
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert_close(p, q, 1e-6)
+    opt.close()
+    again.close()
+
+
+@pytest.mark.parametrize("op", ["avg", "sum"])
+def test_grad_is_the_average_after_synchronize(comm, op):
+    """After synchronize() `.grad` is the mean (op="avg") or the sum over the ranks of
+    each rank's gradient, also inside step(closure); clip_grad_norm_ sees that gradient."""
+    ref, model = make_model(), make_model()
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, op=op)
+    x, y = data(0, comm.size)
+    F.cross_entropy(ref(x), y).backward()
+    want = [p.grad * (comm.size if op == "sum" else 1) for p in ref.parameters()]
+    opt.zero_grad()
+    F.cross_entropy(model(mine(x, comm)), mine(y, comm)).backward()
+    opt.synchronize()
+    for p, g in zip(model.parameters(), want):
+        assert_close(p.grad, g)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    assert_close(norm, torch.nn.utils.get_total_norm([g for g in want]))
+    opt.close()
+
+
+def test_step_closure_updates_from_the_average(comm):
+    """Inside step(closure) the wrapped torch optimizer's step sees the averaged `.grad`."""
+    ref, model = make_model(), make_model()
+    x, y = data(0, comm.size)
+    F.cross_entropy(ref(x), y).backward()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    inner.register_step_pre_hook(
+        lambda o, args, kw: seen.append([p.grad.clone() for p in model.parameters()]))
+    opt = mt.DistributedOptimizer(model, inner, comm=comm)
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(mine(x, comm)), mine(y, comm))
+        loss.backward()
+        return loss
+    assert opt.step(closure) is not None
+    for g, p in zip(seen[0], ref.parameters()):
+        assert_close(g, p.grad)
+    opt.close()
+
+
+def test_autocast_bf16_and_compile(comm):
+    """A bf16-autocast forward and a torch.compile'd model train as one process does."""
+    ref, model = make_model(), make_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm)
+    for step in range(2):
+        x, y = data(step, comm.size)
+        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = m(xs)
+            assert out.dtype == torch.bfloat16
+            F.cross_entropy(out.float(), ys).backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q, 2e-2)           # bf16 rows computed in another batch shape
+    try:
+        compiled = torch.compile(model)
+        compiled(mine(x, comm))
+    except Exception as exc:               # inductor needs a C++ compiler
+        opt.close()
+        pytest.skip(f"torch.compile does not work here: {type(exc).__name__}")
+    eager = make_model(seed=1)
+    compiled_model = make_model(seed=1)
+    eopt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    copt = mt.DistributedOptimizer(compiled_model, "sgd", lr=0.1, comm=comm)
+    run = torch.compile(compiled_model)
+    for step in range(2):
+        x, y = data(step, comm.size)
+        for o, m, xs, ys in ((eopt, eager, x, y), (copt, run, mine(x, comm), mine(y, comm))):
+            o.zero_grad()
+            F.cross_entropy(m(xs), ys).backward()
+            o.step()
+    for p, q in zip(compiled_model.parameters(), eager.parameters()):
+        assert_close(p, q)
+    opt.close()
+    copt.close()
+
+
+@pytest.mark.parametrize("n, drop_last", [(10, False), (10, True), (12, False)])
+def test_sampler_shards_every_epoch(comm, n, drop_last):
+    """Every rank gets as many indices; together they cover the dataset (padded, or with
+    the tail dropped); set_epoch gives a new permutation, the same on every rank."""
+    data = list(range(n))
+    s = mt.DistributedSampler(data, comm=comm, drop_last=drop_last, seed=3)
+    epochs = []
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        mine_ = list(s)
+        every = comm.comm.allgather(mine_)
+        assert len({len(e) for e in every}) == 1 and len(mine_) == len(s)
+        union = [i for e in every for i in e]
+        if drop_last:
+            assert len(union) == (n // comm.size) * comm.size and len(set(union)) == len(union)
+        else:
+            assert set(union) == set(data) and len(union) == -(-n // comm.size) * comm.size
+        epochs.append(union)
+    assert comm.size * len(s) < 2 or epochs[0] != epochs[1]
+
+
+def test_threads_default_to_the_node_share():
+    """Without NUMBA_NUM_THREADS, Numba's threads are this rank's cores over the node's
+    ranks; the setting says where it came from."""
+    assert threads.default_threads(2, 4) == 1 and threads.default_threads(16, 4) == 4
+    setting = threads.setting()
+    assert setting is not None
+    import numba
+    if os.environ.get("NUMBA_NUM_THREADS"):
+        assert setting.numba_source == "NUMBA_NUM_THREADS"
+        return
+    world = MPI.COMM_WORLD.Dup()
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    want = threads.default_threads(threads.cores(), node.Get_size())
+    node.Free()
+    world.Free()
+    assert numba.get_num_threads() == min(want, numba.config.NUMBA_NUM_THREADS)
+    assert "rank(s) on the node" in setting.numba_source
+    assert np.isfinite(setting.numba)
