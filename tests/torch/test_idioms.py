@@ -87,11 +87,14 @@ def test_param_group_writes_reach_the_fused_kernels(comm):
                 {"params": [p for p in m.parameters() if p.dim() == 1], "weight_decay": 0.0}]
     ropt = torch.optim.AdamW(groups(ref), lr=1e-2)
     opt = mt.DistributedOptimizer(model, "adamw", lr=1e-2, comm=comm, param_groups=groups(model))
-    writes = [{}, {"lr": 5e-3, "betas": (0.8, 0.99)}, {"weight_decay": 0.3}, {"lr": 0.0}]
-    for step, write in enumerate(writes):
+    # (groups written, values): both groups, or the biases' alone (a pass of their own)
+    writes = [((0, 1), {}), ((0, 1), {"lr": 5e-3, "betas": (0.8, 0.99)}),
+              ((1,), {"lr": 2e-2, "betas": (0.5, 0.9)}), ((0, 1), {"weight_decay": 0.3}),
+              ((0, 1), {"lr": 0.0})]
+    for step, (which, write) in enumerate(writes):
         for o in (ropt, opt):
-            for g in o.param_groups:
-                g.update(write)
+            for k in which:
+                o.param_groups[k].update(write)
         before = [p.detach().clone() for p in model.parameters()]
         x, y = data(step, comm.size)
         for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
