@@ -1,27 +1,58 @@
 """The driver the torch benchmarks share: alone, a benchmark starts one MPI job per rank
-count, each running its own worker (`mpidist bench NAME --worker --json PATH ...`), and
-reports the rows it collects; under mpiexec (or with --worker) it is that worker.
+count (or one on a simulated cluster, --cluster NODESxRANKS --bandwidth RATE), each running
+its own worker (`mpidist bench NAME --worker --json PATH ...`), and reports the rows it
+collects; under mpiexec (or with --worker) it is that worker.
 See docs/BENCHMARKS.md."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 
 from mpidist.launcher import run
+from mpidist.simcluster import NIC, SimCluster
 
-__all__ = ["drive"]
+__all__ = ["add_cluster_options", "parse_cluster", "drive"]
 
 
 def _launched() -> bool:
     return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
-def drive(name: str, args, worker, report, worker_args: list[str]) -> int:
+def add_cluster_options(parser) -> None:
+    """--cluster NODESxRANKS and --bandwidth RATE, for a benchmark that can run on the
+    simulated cluster (scripts/sim_cluster.sh; root and network namespaces)."""
+    parser.add_argument("--cluster", default=None, type=parse_cluster,
+                        help="run on a simulated cluster of NODESxRANKS (e.g. 2x1), gloo on its NIC")
+    parser.add_argument("--bandwidth", default="1gbit",
+                        help="the simulated nodes' link rate, tc syntax (default 1gbit)")
+
+
+def parse_cluster(text: str) -> str:
+    """'2x1' -> '2x1' (validated: nodes x ranks per node, each at least 1)."""
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", str(text))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--cluster takes NODESxRANKS, e.g. 2x1, got {text!r}")
+    return f"{int(m.group(1))}x{int(m.group(2))}"
+
+
+def _on_cluster(args, argv: list[str]):
+    """Run argv on the simulated cluster args.cluster; gloo's rendezvous on node 0's address
+    and its traffic on the cluster NIC (else it binds to loopback and never connects)."""
+    nodes, per_node = (int(v) for v in args.cluster.split("x"))
+    with SimCluster(nodes, per_node, args.bandwidth) as cluster:
+        env = {**os.environ, "MASTER_ADDR": "10.231.0.1", "GLOO_SOCKET_IFNAME": NIC}
+        return cluster.run(argv, env=env, timeout=1800)
+
+
+def drive(name: str, args, worker, report, worker_args: list[str], check=None) -> int:
     """Run benchmark `name`: worker(args) -> row on every rank of this job, or one job per
-    rank count in args.ranks with worker_args; report(rows, args) -> the table's text, printed
-    and written with the rows to args.out/NAME.{json,txt}."""
+    rank count in args.ranks (one on the simulated cluster with args.cluster) with
+    worker_args; report(rows, args) -> the table's text, printed and written with the rows to
+    args.out/NAME.{json,txt}. check(rows) -> why the rows are void, or None: the benchmark
+    then exits 1 after its report."""
     try:
         import torch  # noqa: F401  (optional: the benchmark needs it, mpidist does not)
     except ImportError:
@@ -36,15 +67,18 @@ def drive(name: str, args, worker, report, worker_args: list[str]) -> int:
                     json.dump(result, fh, indent=1)
             else:
                 print(report([result], args))
-        return 0
+        why = check([result]) if check else None
+        return 1 if why else 0
     rows = []
-    for n in [int(r) for r in args.ranks.split(",")]:
+    cluster = getattr(args, "cluster", None)
+    for n in [cluster] if cluster else [int(r) for r in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
+            os.chmod(tmp, 0o755)
             path = os.path.join(tmp, "result.json")
             argv = [sys.executable, "-m", "mpidist", "bench", name, "--worker", "--json", path,
                     *worker_args]
-            proc = run(n, argv, timeout=1800)
-            if proc.returncode != 0:
+            proc = _on_cluster(args, argv) if cluster else run(n, argv, timeout=1800)
+            if proc.returncode != 0 and not os.path.exists(path):
                 raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
             with open(path) as fh:
                 rows.append(json.load(fh))
@@ -56,4 +90,8 @@ def drive(name: str, args, worker, report, worker_args: list[str]) -> int:
     with open(os.path.join(args.out, f"{name}.txt"), "w") as fh:
         fh.write(text + "\n")
     print(f"wrote {args.out}/{name}.{{json,txt}}")
+    why = check(rows) if check else None
+    if why:
+        print(f"mpidist bench {name}: FAILED: {why}", file=sys.stderr)
+        return 1
     return 0

@@ -16,11 +16,13 @@ import time
 
 import numpy as np
 
-from mpidist.bench._driver import drive
+from mpidist.bench._driver import add_cluster_options, drive
+from mpidist.simcluster import parse_rate
 
 __all__ = ["main"]
 
-VARIANTS = ("torch", "ddp", "mpidist", "zero2")
+VARIANTS = ("torch", "ddp", "mpidist", "mpidist-fused", "zero2")
+TOLERANCE = 1e-5    # the variants' parameters agree to this (relative), or the bench fails
 MODELS = ("mlp", "gpt")
 IN, HIDDEN, CLASSES = 1024, 2048, 10
 BLOCK = 64          # the GPT's context (bytes per window)
@@ -39,6 +41,7 @@ def _parse(argv):
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
     p.add_argument("--out", default=None,
                    help="output directory (default results/bench/torch, gpt: .../torch_gpt)")
+    add_cluster_options(p)
     p.add_argument("--worker", action="store_true", help="measure at the current world size (under mpiexec)")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -103,66 +106,64 @@ def _worker(args) -> dict:
     comm = Communicator()
     x, y, loss_fn = _data(args.model, args.batch, comm.rank)
     steps: dict = {}
+    nets: dict = {}                             # variant -> the module it trains
 
-    if "torch" in args.variants:
-        net = _model(args.model)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    def sgd(params):                            # the same torch optimizer on every side
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
 
-        def plain():
+    def timed(net, opt, wait=lambda: (0.0, None)):
+        def step():
             t0 = time.perf_counter()
             opt.zero_grad()
             loss_fn(net(x), y).backward()
             t1 = time.perf_counter()
             opt.step()
-            return t1 - t0, 0.0, time.perf_counter() - t1
-        steps["torch"] = plain
+            t_wait, t_optim = wait()
+            t2 = time.perf_counter()
+            return t1 - t0, t_wait, (t2 - t1 - t_wait) if t_optim is None else t_optim
+        return step
+
+    if "torch" in args.variants:
+        net = nets["torch"] = _model(args.model)
+        steps["torch"] = timed(net, sgd(net.parameters()))
 
     if "ddp" in args.variants:
         port = comm.comm.bcast(_free_port() if comm.rank == 0 else None, root=0)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")   # sim cluster: its node 0
+        os.environ["MASTER_PORT"] = str(port)
         dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-        ddp = torch.nn.parallel.DistributedDataParallel(_model(args.model))
-        dopt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9, foreach=True)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            _model(args.model), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+        nets["ddp"] = ddp.module
+        steps["ddp"] = timed(ddp, sgd(ddp.parameters()))
 
-        def ddp_step():
-            t0 = time.perf_counter()
-            dopt.zero_grad()
-            loss_fn(ddp(x), y).backward()
-            t1 = time.perf_counter()
-            dopt.step()
-            return t1 - t0, 0.0, time.perf_counter() - t1
-        steps["ddp"] = ddp_step
+    def mpidist_variant(name, zero):
+        net = nets[name] = _model(args.model)
+        fused = name != "mpidist"             # mpidist's own fused SGD kernel
+        opt = "sgd" if fused else sgd(net.parameters())
+        kwargs = dict(lr=0.01, momentum=0.9) if fused else {}
+        mopt = mt.DistributedOptimizer(net, opt, comm=comm, zero=zero, bucket_mb=args.bucket_mb,
+                                       algorithm=args.algorithm, **kwargs)
+        return timed(net, mopt, lambda: (mopt.last_step["t_wait"], mopt.last_step["t_optim"]))
 
-    def mpidist_variant(zero):
-        mnet = _model(args.model)
-        mopt = mt.DistributedOptimizer(mnet, "sgd", lr=0.01, momentum=0.9, comm=comm, zero=zero,
-                                       bucket_mb=args.bucket_mb, algorithm=args.algorithm)
-
-        def mpidist_step():
-            t0 = time.perf_counter()
-            mopt.zero_grad()
-            loss_fn(mnet(x), y).backward()
-            t1 = time.perf_counter()
-            mopt.step()
-            t = mopt.last_step
-            return t1 - t0, t["t_wait"], t["t_optim"]
-        return mpidist_step
-
-    for name, zero in (("mpidist", 0), ("zero2", 2)):
+    for name, zero in (("mpidist", 0), ("mpidist-fused", 0), ("zero2", 2)):
         if name in args.variants:
-            steps[name] = mpidist_variant(zero)
+            steps[name] = mpidist_variant(name, zero)
 
     times = {k: [] for k in steps}
+    order = np.random.default_rng(1234)         # the same shuffles on every rank
+    names = list(steps)
     for i in range(args.warmup + args.steps):
-        for k, fn in steps.items():
+        for k in order.permutation(names):
             comm.comm.Barrier()
             t0 = time.perf_counter()
-            parts = fn()
+            parts = steps[k]()
             total = time.perf_counter() - t0
             if i >= args.warmup:
                 times[k].append((total,) + parts)
-    out = {"ranks": comm.size, "batch_per_rank": args.batch,
-           "params": sum(p.numel() for p in _model(args.model).parameters())}
+    out = {"ranks": comm.size, "batch_per_rank": args.batch, "nodes": comm.num_nodes,
+           "params": sum(p.numel() for p in _model(args.model).parameters()),
+           "agree": _agreement(comm, nets)}
     slowest = {}
     for k, rows in times.items():
         a = np.asarray(rows)
@@ -184,27 +185,81 @@ def _worker(args) -> dict:
     return out
 
 
+def _agreement(comm, nets) -> dict:
+    """The largest relative difference between the parameters of the data-parallel
+    variants (all trained from one start on the same batches), and which pair; plain torch
+    trains on one rank's batch alone, so it is left out where there are several ranks."""
+    import torch                        # optional, as above
+    from mpi4py import MPI              # in the ranks only, as above
+    names = [k for k in nets if k != "torch" or comm.size == 1]
+    flat = {k: torch.cat([p.detach().reshape(-1).double() for p in nets[k].parameters()])
+            for k in names}
+    worst, pair = 0.0, None
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            scale = float(flat[a].abs().max()) or 1.0
+            d = float((flat[a] - flat[b]).abs().max()) / scale
+            if d > worst or pair is None:
+                worst, pair = d, (a, b)
+    worst = comm.comm.allreduce(worst, op=MPI.MAX)
+    return {"max_rel_diff": worst, "pair": pair, "variants": names}
+
+
 # ----------------------------------------------------------------------------- driver
+def link_bound(params: int, ranks: int, nodes: int, batch: int, bits_per_s: float | None):
+    """(bytes each rank sends per step over the slowest link, samples/s the link allows):
+    a ring allreduce of the fp32 gradients sends 2(n-1)/n of them over each node's link (n
+    nodes; within a node the sum is local), or None without a bandwidth or with one node."""
+    if not bits_per_s or nodes < 2:
+        return None
+    sent = 2 * (nodes - 1) / nodes * 4 * params
+    return sent, batch * ranks / (sent * 8 / bits_per_s)
+
+
 def _report(rows, args) -> str:
-    head = (f"{'ranks':>5} {'variant':>8} {'step ms':>8} {'compute':>8} {'exp.comm':>8} "
-            f"{'optim':>6} {'samples/s':>10} {'ratio':>6}")
+    head = (f"{'ranks':>5} {'variant':>13} {'step ms':>8} {'compute':>8} {'exp.comm':>8} "
+            f"{'optim':>6} {'samples/s':>10} {'ratio':>6} {'compute%':>8} {'link%':>6}")
     model = f"MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES}" if args.model == "mlp" else \
         f"GPT (4 layers, dim 256, {BLOCK}-byte windows)"
-    lines = [f"{model} ({rows[0]['params'] / 1e6:.1f}M params), "
-             f"batch {args.batch}/rank, momentum SGD, one thread per rank, {args.steps} timed "
-             f"steps alternated; ratio: samples/s over ddp's (plain torch's at 1 rank)",
+    where = f"simulated cluster {args.cluster} at {args.bandwidth}" if args.cluster else "this host"
+    lines = [f"{model} ({rows[0]['params'] / 1e6:.1f}M params) on {where}, batch {args.batch}/rank, "
+             f"momentum SGD (torch fused=True unless -fused: mpidist's kernel), one thread per "
+             f"rank, {args.bucket_mb:g} MB buckets, {args.steps} timed steps, variants shuffled "
+             f"each round; medians of the slowest rank",
+             "ratio: samples/s over ddp's (plain torch's at 1 rank); compute%: of plain torch's "
+             "(no communication); link%: of bytes per step over the bandwidth",
              head, "-" * len(head)]
+    rate = parse_rate(args.bandwidth) if args.cluster else None
     for r in rows:
         base = r.get("torch" if r["ranks"] == 1 else "ddp")
+        bound = link_bound(r["params"], r["ranks"], r.get("nodes", 1), r["batch_per_rank"], rate)
         for v in VARIANTS:
             if v not in r:
                 continue
             m = r[v]
             ratio = f"{m['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
-            lines.append(f"{r['ranks']:>5} {v:>8} {m['step'] * 1e3:>8.1f} "
+            comp = f"{100 * m['samples_per_s'] / r['torch']['samples_per_s']:.0f}%" \
+                if "torch" in r else "-"
+            link = f"{100 * m['samples_per_s'] / bound[1]:.0f}%" if bound else "-"
+            lines.append(f"{r['ranks']:>5} {v:>13} {m['step'] * 1e3:>8.1f} "
                          f"{m['compute'] * 1e3:>8.1f} {m['comm'] * 1e3:>8.1f} "
-                         f"{m['optim'] * 1e3:>6.1f} {m['samples_per_s']:>10.0f} {ratio:>6}")
+                         f"{m['optim'] * 1e3:>6.1f} {m['samples_per_s']:>10.0f} {ratio:>6} "
+                         f"{comp:>8} {link:>6}")
+        if bound:
+            lines.append(f"{'':>5} link bound: {bound[0] / 1e6:.1f} MB per rank per step, "
+                         f"{bound[1]:.0f} samples/s")
+        a = r["agree"]
+        lines.append(f"{'':>5} parameters of {', '.join(a['variants'])}: largest relative "
+                     f"difference {a['max_rel_diff']:.1e} ({' vs '.join(a['pair'] or ())}; "
+                     f"must be <= {TOLERANCE:g})")
     return "\n".join(lines)
+
+
+def check(rows) -> str | None:
+    """Why the rows are not a fair comparison (the variants' parameters differ), or None."""
+    bad = [f"{r['ranks']} ranks: {r['agree']['max_rel_diff']:.1e} ({' vs '.join(r['agree']['pair'])})"
+           for r in rows if r["agree"]["pair"] and not r["agree"]["max_rel_diff"] <= TOLERANCE]
+    return ("the variants ended with different parameters: " + "; ".join(bad)) if bad else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,4 +287,5 @@ def main(argv: list[str] | None = None) -> int:
     return drive("torch", args, _worker, _report,
                  ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
-                  "--algorithm", args.algorithm, "--variants", ",".join(args.variants)])
+                  "--algorithm", args.algorithm, "--variants", ",".join(args.variants)],
+                 check=check)

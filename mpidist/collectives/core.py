@@ -19,7 +19,7 @@ from mpidist.comm import as_communicator
 from mpidist.kernels.backend import get_array_module, is_cupy
 from mpidist.partition import chunk, counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "run_allreduce",
+__all__ = ["allreduce", "reduce_scatter", "allgather", "prepare_allreduce", "describe_allreduce", "run_allreduce",
            "reduced_bytes", "flat_view", "check_out", "read_only"]
 
 _PARTS = {"ring": ring, "shm": shm, "native": native}
@@ -102,19 +102,12 @@ def _store(src, dst, widened: bool) -> None:
         dst[...] = src
 
 
-def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
-                      carry: bool = False):
-    """Check the arguments on every rank together (mismatch guard included).
-
-    Returns (comm, x, y, op, algorithm name, entry): x the flat input, y the flat output (x
-    itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
-    every rank holding the same table: the guard compares the resolved name too); entry is
-    the call's flight record, which the caller ends (flight.end) once the reduction is
-    complete. carry: a native allreduce may be done by the check itself (guard.check_reduce);
-    the name is then None.
-    """
+def describe_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce"):
+    """The local half of prepare_allreduce: (comm, x, y, op, algorithm name, signature,
+    error), the argument error (or None) still to be voted on by guard.check, which every
+    rank must call with it (x, y and op are None after an error)."""
     c = as_communicator(comm)
-    error, signature, name = None, None, algorithm
+    error, signature, name, x, y, opx = None, None, algorithm, None, None, None
     try:
         x = flat_view(buf, "buf")
         opx = get_op(op)
@@ -131,6 +124,21 @@ def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
                      ("algorithm", algorithm if name == algorithm else _AUTO[name]))
     except (TypeError, ValueError) as exc:
         error = exc
+    return c, x, y, opx, name, signature, error
+
+
+def prepare_allreduce(comm, buf, op, algorithm, out, kind: str = "allreduce",
+                      carry: bool = False):
+    """Check the arguments on every rank together (mismatch guard included).
+
+    Returns (comm, x, y, op, algorithm name, entry): x the flat input, y the flat output (x
+    itself in place); "auto" is resolved here by select.choose (a table lookup, the same on
+    every rank holding the same table: the guard compares the resolved name too); entry is
+    the call's flight record, which the caller ends (flight.end) once the reduction is
+    complete. carry: a native allreduce may be done by the check itself (guard.check_reduce);
+    the name is then None.
+    """
+    c, x, y, opx, name, signature, error = describe_allreduce(comm, buf, op, algorithm, out, kind)
     if carry and error is None and name == "native":
         entry, k = guard.check_reduce(c, signature, error, x, y, opx)
         return c, x, y, opx, None if k else name, entry

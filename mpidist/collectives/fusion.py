@@ -18,12 +18,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mpi4py import MPI
 
-from mpidist.collectives import guard, select
+from mpidist.collectives import flight, guard, select
 from mpidist.collectives.arrays import accept_arrays
-from mpidist.collectives.core import (check_out, flat_view, prepare_allreduce, read_only,
+from mpidist.collectives.core import (check_out, describe_allreduce, flat_view, read_only,
                                      reduced_bytes, run_allreduce)
 from mpidist.collectives.ops import get_op
 from mpidist.collectives.handle import Handle
+from mpidist.collectives.waits import mark_patient
 from mpidist.collectives.registry import get_algorithm
 from mpidist.comm import as_communicator, on_free
 from mpidist.kernels.backend import get_array_module, handoff, take_over
@@ -37,7 +38,9 @@ _ASYNC_COLOR = 0x6D7064        # the worker's communicator: one split of the cal
 class _Worker:
     def __init__(self, comm):
         self.comm = comm.split(_ASYNC_COLOR, comm.rank)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-allreduce")
+        # its waits nap: it runs beside the caller's compute (waits.mark_patient)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-allreduce",
+                                       initializer=mark_patient)
 
     def submit(self, fn, *args, arrays=()) -> Future:
         """Run fn(worker's comm, *args) in order; `arrays`: the CuPy data it works on, whose
@@ -119,10 +122,25 @@ def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
     """
     c = as_communicator(comm)
     if not isinstance(buf, (list, tuple)):
-        c, x, y, opx, name, entry = prepare_allreduce(c, buf, op, algorithm, out, "allreduce_async")
-        fut = _worker(c).submit(run_allreduce, x, y, opx, name, arrays=(x, y))
-        return Handle(buf if out is None else out, futures=[fut], entry=entry)
+        # checked on the worker, in order with the reductions before it: a check on the
+        # caller's thread would wait behind them (across nodes, for whole buckets) and hold
+        # up the caller's compute; an argument error is raised by wait()
+        c, x, y, opx, name, signature, error = describe_allreduce(c, buf, op, algorithm, out,
+                                                                  "allreduce_async")
+        fut = _worker(c).submit(_checked_allreduce, c, x, y, opx, name, signature, error,
+                                arrays=() if error else (x, y))
+        return Handle(buf if out is None else out, futures=[fut])
     return _allreduce_fused(c, list(buf), op, algorithm, out, bucket_bytes)
+
+
+def _checked_allreduce(wc, c, x, y, opx, name, signature, error) -> None:
+    """On the worker: the guard's check on the worker's communicator wc (recorded on the
+    caller's c), then the reduction."""
+    entry = guard.check(wc, signature, error, record=c)
+    try:
+        run_allreduce(wc, x, y, opx, name)
+    finally:
+        flight.end(entry)
 
 
 def _allreduce_fused(c, arrays, op, algorithm, out, bucket_bytes) -> Handle:

@@ -59,26 +59,28 @@ def digest(signature) -> int:
     return d
 
 
-def check(comm, signature: tuple | None, error: BaseException | None = None):
+def check(comm, signature: tuple | None, error: BaseException | None = None, record=None):
     """Collective: raise on every rank if any rank has an argument error or a different
     signature (kind, (name, value), ...). A rank with an error always takes part.
 
     Returns the call's flight-recorder entry (None with the guard off): the caller passes it
-    to flight.end() when the call is complete.
+    to flight.end() when the call is complete. record: the communicator whose flight record
+    takes the call (default comm; a worker checks on its own split of the caller's).
     """
     mode = _state["mode"] or get_mode()
     if mode == "off":
         if error is not None:
             raise error
         return None
+    record = comm if record is None else record
     if comm.size == 1:                          # one rank agrees with itself
-        entry = flight.begin(comm, signature)
+        entry = flight.begin(record, signature)
         if error is not None:
             flight.end(entry)
             raise error
         return entry
     b = comm.ballot or ballot.of(comm)          # made (and compiled) before the record
-    entry = flight.begin(comm, signature)      # from here on a hang is on the record
+    entry = flight.begin(record, signature)    # from here on a hang is on the record
     d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
     try:
         if not b.vote(d) or error is not None:

@@ -6,11 +6,12 @@ same schedule. Each rank reduces one chunk completely, its own; the allgather di
 that single copy, so every rank ends with the same bits. Per rank it moves 2(p-1)/p of the
 buffer, the bandwidth optimum.
 
-Chunks larger than one segment are pipelined on rings of three or more: segments move with
-nonblocking calls and one is forwarded as soon as it has been reduced, so sending, receiving
-and reducing overlap along the ring. Smaller chunks, and two ranks (where nothing received
-is forwarded, so segments have nothing to overlap and only add handshakes), take one
-Sendrecv per step over a cached schedule.
+Chunks larger than one segment are pipelined: segments move with nonblocking calls and one
+is forwarded as soon as it has been reduced, so sending, receiving and reducing overlap
+along the ring, and across nodes several segments in flight keep the link busy. Smaller
+chunks, and two ranks on one node (where nothing received is forwarded and shared memory
+has no handshake to hide, so segments only add rendezvous), take one Sendrecv per step
+over a cached schedule.
 
 Cost: 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma.
 """
@@ -23,6 +24,7 @@ from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.scratch import same_view, scratch
+from mpidist.collectives.waits import sendrecv, wait, waitall
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "segments",
@@ -55,10 +57,12 @@ def _parse_segment_bytes(value: str | None) -> int:
     return seg
 
 
-def _whole_chunks(n: int, size: int, seg: int) -> bool:
+def _whole_chunks(comm, n: int, seg: int) -> bool:
     """Whether the ring moves whole chunks, one Sendrecv per step, rather than segments:
-    every chunk fits one segment, or the ring has two ranks."""
-    return size <= 2 or n <= seg * size
+    every chunk fits one segment, or the ring has two ranks on one node. Across nodes two
+    ranks segment too: several segments in flight keep the link busy through each one's
+    rendezvous handshake, where one whole chunk leaves it idle for them."""
+    return (comm.size <= 2 and comm.num_nodes == 1) or n <= seg * comm.size
 
 
 def segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
@@ -114,9 +118,9 @@ class _Pipeline:
         last = len(self.into) - 1
         ahead = self._post(t + 1) if 1 <= t < last else None
         for req, seg in zip(*self.recvs):
-            req.Wait()
+            wait(req)
             yield seg
-        MPI.Request.Waitall(self.sends)   # step t's sends: their buffers may be reused next step
+        waitall(self.sends)   # step t's sends: their buffers may be reused next step
         self.sends, self.forwards = self.forwards, []
         self.recvs = ahead if ahead is not None else self._post(t + 1) if t < last else None
 
@@ -125,7 +129,7 @@ class _Pipeline:
         self.forwards.append(self.mpi.Isend(view, self.right, _TAG))
 
     def close(self) -> None:
-        MPI.Request.Waitall(self.sends)
+        waitall(self.sends)
 
 
 def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:
@@ -140,7 +144,7 @@ def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:
     out = sendbuf[plan[0][0]:plan[0][1]]
     for t, (_, _, lo, hi) in enumerate(plan):
         got = work[t % 2][:hi - lo]
-        mpi.Sendrecv(out, right, _TAG, got, left, _TAG)
+        sendrecv(mpi, out, right, _TAG, got, left, _TAG)
         out = got if t < p - 2 else mine          # the last step brings my own chunk
         reduce_into(op, got, sendbuf[lo:hi], out)
 
@@ -151,7 +155,7 @@ def _allgather_unsegmented(comm, buf, plan) -> None:
     mpi, p = comm.comm, comm.size
     left, right = (comm.rank - 1) % p, (comm.rank + 1) % p
     for slo, shi, lo, hi in plan:
-        mpi.Sendrecv(buf[slo:shi], right, _TAG, buf[lo:hi], left, _TAG)
+        sendrecv(mpi, buf[slo:shi], right, _TAG, buf[lo:hi], left, _TAG)
 
 
 def _parts(buf, n: int, size: int):
@@ -175,7 +179,7 @@ def reduce_scatter(comm, sendbuf, shard, op: Op, *, finalize_n: int | None = Non
     if p == 1:
         if not same_view(shard, sendbuf):
             shard[...] = sendbuf
-    elif _whole_chunks(n, p, seg):
+    elif _whole_chunks(comm, n, seg):
         _reduce_scatter_unsegmented(comm, sendbuf, shard, op, schedule(n, r, p)[:p - 1])
     else:
         plan, part, work = steps(r, p)[:p - 1], _parts(sendbuf, n, p), _work(comm, n, sendbuf)
@@ -204,7 +208,7 @@ def allgather(comm, shard, out):
     seg = max(1, segment_bytes() // max(1, out.itemsize))
     if p == 1:
         return out
-    if _whole_chunks(n, p, seg):
+    if _whole_chunks(comm, n, seg):
         _allgather_unsegmented(comm, out, schedule(n, r, p)[p - 1:])
         return out
     plan = steps(r, p)[p - 1:]
@@ -230,7 +234,7 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
             recvbuf[...] = sendbuf
         return recvbuf
     seg = max(1, segment_bytes() // max(1, sendbuf.itemsize))
-    if _whole_chunks(n, p, seg):
+    if _whole_chunks(comm, n, seg):
         plan = schedule(n, r, p)
         lo, hi = plan[p - 2][2:]                        # my chunk, the last one reduced
         # 1. reduce-scatter
