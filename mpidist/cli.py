@@ -16,6 +16,7 @@ import traceback
 
 import mpidist
 import mpidist.bench
+from mpidist import threads
 from mpidist.launcher import main as launch
 from mpidist.launcher import unwired_launch
 
@@ -39,7 +40,6 @@ def info(argv: list[str] | None = None) -> int:
     # must not do before it starts mpiexec, and these are slow for `mpidist --help`
     from mpi4py import MPI
     from mpidist.collectives import select
-    from mpidist import threads
     from mpidist import mpilib
     from mpidist.comm import Communicator, mpi_library
     from mpidist.h5 import parallel_hdf5
