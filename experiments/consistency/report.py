@@ -1,110 +1,28 @@
-"""Synchronous vs asynchronous vs bounded-staleness SGD vs ADMM: accuracy against wall time,
-with and without a straggler.
-
-Seed 000: synchronous SGD, asynchronous SGD and ADMM trade communication cost against the
-stability of convergence; stragglers and staleness are what the trade is about. The jobs
-are the shipped ones (jobs/digits_ps_{bsp,asp,ssp}.toml: the parameter server with one
-server and three workers; jobs/digits_admm.toml: consensus ADMM on three ranks), run with
-`mpidist train` on local ranks with the same model, data, global batch (48), learning rate
-and epochs. Stragglers: a fixed delay per step on the last worker (`straggler_mode =
-"fixed"`, persistent) or on one worker drawn per step (`"random"`, transient); the engine
-injects them only into the parameter server, so ADMM runs without. Wall time = rank 0's
-summed step times (evaluation left out).
-"""
+"""The experiment's section of docs/EXPERIMENTS.md: setup, table and verdict."""
 from __future__ import annotations
-
-import os
-import tempfile
-import time
 
 import numpy as np
 
 from experiments import common
-
-NAME = "consistency"
-METHODS = {   # label: (job, ranks, overrides)
-    "sync SGD (PS, BSP)": ("jobs/digits_ps_bsp.toml", 4, {}),
-    "async SGD (PS, ASP)": ("jobs/digits_ps_asp.toml", 4, {}),
-    "bounded staleness (PS, SSP 2)": ("jobs/digits_ps_ssp.toml", 4, {}),
-    "ADMM (3 ranks)": ("jobs/digits_admm.toml", 3, {"data.batch_size": 48}),
-}
-TARGET = 0.90                     # time-to-accuracy threshold on the test rows
-
-
-def _curve(records) -> tuple[list, list]:
-    """(wall seconds, test accuracy) at each evaluation, time summed over rank 0's steps."""
-    t, times, accs = 0.0, [], []
-    for r in records:
-        if r.get("event") == "step":
-            t += r["t_step"]
-        elif r.get("event") == "eval":
-            times.append(t)
-            accs.append(r["accuracy"])
-    return times, accs
-
-
-KINDS = ("none", "fixed", "random")
-
-
-def _overrides(label, kind, cfg, tmp) -> dict:
-    job, _, over = METHODS[label]
-    over = {**over, "job.epochs": cfg["epochs"], "job.eval_every": cfg["eval_every"],
-            "job.target_accuracy": 0.0, "data.cache_dir": os.path.join(tmp, "data")}
-    if "ps" in job:
-        over.update({"parallel.straggler": cfg["delay"] if kind != "none" else 0.0,
-                     "parallel.straggler_mode": "fixed" if kind == "none" else kind})
-    return over
-
-
-def _row(label, kind, cfg, summary, records) -> dict:
-    times, accs = _curve(records)
-    hit = next((t for t, a in zip(times, accs) if a >= TARGET), None)
-    return {"method": label, "straggler": kind,
-            "straggler_s": cfg["delay"] if kind != "none" else 0.0,
-            "final_accuracy": summary["test_accuracy"], "final_loss": summary["test_loss"],
-            "wall_s": times[-1] if times else summary["train_seconds"],
-            "time_to_target_s": hit, "steps": summary["steps"],
-            "curve_t": times, "curve_acc": accs}
-
-
-def _plot(rows, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    kinds = [k for k in KINDS if any(r["straggler"] == k for r in rows)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.4), sharey=True)
-    for ax, kind in zip(axes, kinds):
-        for i, label in enumerate(METHODS):
-            rs = [r for r in rows if r["method"] == label and r["straggler"] == kind]
-            for j, r in enumerate(rs):
-                ax.plot(r["curve_t"], r["curve_acc"], "-", color=f"C{i}", alpha=0.9 if j == 0 else 0.4,
-                        label=label if j == 0 else None)
-        ax.axhline(TARGET, color="k", lw=0.7, ls=":")
-        delay = max((r["straggler_s"] for r in rows), default=0)
-        ax.set(xlabel="wall time, rank 0 (s)", ylim=(0, 1),
-               title={"none": "no straggler",
-                      "fixed": f"persistent straggler: last worker +{delay * 1e3:.0f} ms/step",
-                      "random": f"transient: a random worker +{delay * 1e3:.0f} ms/step"}[kind])
-        ax.legend(fontsize=8, loc="lower right")
-    axes[0].set_ylabel("test accuracy")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+from experiments.consistency import NAME
+from experiments.consistency.methods import KINDS, METHODS, TARGET
 
 
 def _med(rows, label, kind, key):
+    """The median of `key` over a method's runs with this straggler kind (None if none)."""
     vals = [r[key] for r in rows if r["method"] == label and r["straggler"] == kind
             and r[key] is not None]
     return float(np.median(vals)) if vals else None
 
 
 def _range(rows, label, kind, key) -> str:
+    """min-max of `key` over the same runs."""
     vals = [r[key] for r in rows if r["method"] == label and r["straggler"] == kind]
     return f"{min(vals):.1f}-{max(vals):.1f}"
 
 
-def _section(rows, args, out, cfg, took) -> str:
+def section(rows, args, out, cfg, took) -> str:
+    """The section's markdown, its verdict worded from the figures."""
     f = lambda v, spec: "-" if v is None else format(v, spec)
     delay = f"{cfg['delay'] * 1e3:.0f} ms"
     tab = ["| method | straggler | final accuracy | wall s (range) | time to "
@@ -171,10 +89,11 @@ def _section(rows, args, out, cfg, took) -> str:
     spread = max(max(r["wall_s"] for r in g) / min(r["wall_s"] for r in g) for g in groups.values())
     acc_spread = max(max(r["final_accuracy"] for r in g) - min(r["final_accuracy"] for r in g)
                      for g in groups.values())
-    return f"""## 3. Synchronous vs asynchronous vs bounded staleness vs ADMM (seed 000)
+    return f"""## 3. Synchronous vs asynchronous SGD vs ADMM: communication against stable convergence (Yang, ICIAAI 2025)
 
 **Claim.** Synchronous SGD, asynchronous SGD and ADMM trade communication cost against
-stability of convergence; stragglers and gradient staleness are the price of each side.
+stability of convergence; stragglers and gradient staleness are the price of each side
+(Yang, "Analysis of Distributed Training Systems and Optimization Algorithms", ICIAAI 2025).
 
 **Setup.** The shipped jobs `jobs/digits_ps_bsp.toml`, `digits_ps_asp.toml`,
 `digits_ps_ssp.toml` (mpidist's parameter server: one server, three workers, SGD lr 0.1,
@@ -205,7 +124,7 @@ carry the other jobs' load.
 - Stability: final accuracy without / with the persistent straggler, BSP {acc[bsp][0]:.3f} / {acc[bsp][1]:.3f},
   SSP {acc[ssp][0]:.3f} / {acc[ssp][1]:.3f}, ASP {acc[asp][0]:.3f} / {acc[asp][1]:.3f}.
   {'Asynchrony costs at most a point of accuracy on this small task' if abs(acc[asp][1] - acc[bsp][1]) <= 0.01 else ('Asynchrony costs accuracy here, the stability side of the trade' if claim_stab else 'Asynchrony does better here than BSP')}; the jobs keep momentum at 0.5 because heavier
-  momentum diverges under ASP staleness (their comment), which is the instability the seed means.
+  momentum diverges under ASP staleness (their comment), which is the instability the paper means.
 - ADMM (no straggler): accuracy {f(admm[0], '.3f')} in {f(admm[1], '.1f')} s: one allreduce
   of the parameters per step like synchronous SGD, so it waits for a straggler the same way
   (not measured: the engine's straggler option is for the parameter server only).
@@ -215,40 +134,3 @@ carry the other jobs' load.
   BSP say something; accuracies moved by up to {acc_spread * 100:.1f} points for the
   asynchronous methods (their update order depends on timing) and not at all for BSP and ADMM.
 """
-
-
-def main(argv=None) -> int:
-    args = common.parser(NAME, __doc__).parse_args(argv)
-    out = common.Outputs(NAME, args)
-    if args.quick:
-        cfg = {"epochs": 1, "eval_every": 10, "delay": 0.02, "rounds": 1,
-               "kinds": ("none", "fixed")}
-    else:
-        cfg = {"epochs": 12, "eval_every": 29, "delay": 0.02, "rounds": 2, "kinds": KINDS}
-    t0 = time.perf_counter()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="mpidist-exp-") as tmp:
-        # one MPI job per rank count (the PS jobs on 4, ADMM on 3); rounds and the
-        # straggler / no-straggler halves alternate inside each job
-        for ranks in sorted({n for _, n, _ in METHODS.values()}, reverse=True):
-            cases = [(rnd, kind, label) for rnd in range(cfg["rounds"])
-                     for kind in (cfg["kinds"] if rnd % 2 == 0 else cfg["kinds"][::-1])
-                     for label, (job, n, _) in METHODS.items()
-                     if n == ranks and not (kind != "none" and "admm" in job)]
-            runs = [(METHODS[label][0], _overrides(label, kind, cfg, tmp),
-                     os.path.join(tmp, f"{ranks}-{i}")) for i, (_, kind, label) in enumerate(cases)]
-            # first a one-epoch run of the job's first case, thrown away: it pays for
-            # compiling the kernels, which would otherwise land on one method's clock
-            warm = (runs[0][0], {**runs[0][1], "job.epochs": 1}, os.path.join(tmp, f"{ranks}-warm"))
-            results = common.train_many(ranks, [warm, *runs], 1800, tmp)[1:]
-            for (rnd, kind, label), res in zip(cases, results):
-                rows.append(dict(_row(label, kind, cfg, *res), round=rnd))
-    took = time.perf_counter() - t0
-    out.write_csv([{k: v for k, v in r.items() if not k.startswith("curve")} for r in rows])
-    _plot(rows, out.png, "digits MLP, 3 workers, local ranks")
-    out.write_section(_section(rows, args, out, cfg, took))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
