@@ -17,6 +17,12 @@ if ft_venv=$(MPIDIST_MPI=ompi5-ft bash "$here/scripts/setup_env.sh" | tail -n 1)
 else
   echo "[test] the FT environment did not build: tests/ft will skip" >&2
 fi
+# the second MPI (MPICH from PyPI), cached the same way, for its stage below and tests/test_quiet
+if mpich_venv=$(MPIDIST_MPI=mpich bash "$here/scripts/setup_env.sh" | tail -n 1); then
+  export MPIDIST_MPICH_VENV=$mpich_venv
+else
+  echo "[test] the MPICH environment did not build" >&2
+fi
 export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-$HOME/.cache/mpidist/numba}
 # the mismatch guard's compiled ballot, compiled once here so that the tests do not wait for
 # it (its first compile takes seconds)
@@ -57,10 +63,10 @@ run n5 5 tests/test_comm.py tests/collectives "$@"
 # the engine, mpidist.torch and the torch backend; and the main job through the launcher
 MPICH_TESTS=(tests/test_comm.py tests/collectives tests/ps tests/checkpoint tests/engine
              tests/torch tests/torch_backend)
-if mpich_venv=$(MPIDIST_MPI=mpich bash "$here/scripts/setup_env.sh" | tail -n 1); then
+if [ -n "${MPIDIST_MPICH_VENV:-}" ]; then
   (
     # shellcheck disable=SC1091
-    source "$mpich_venv/bin/activate"
+    source "$MPIDIST_MPICH_VENV/bin/activate"
     export NUMBA_CACHE_DIR=$NUMBA_CACHE_DIR-mpich
     python -c 'from mpidist.collectives.ballot import compile_kernels; compile_kernels()' \
       || echo "[test] the guard's ballot did not compile under MPICH" >&2
@@ -69,7 +75,6 @@ if mpich_venv=$(MPIDIST_MPI=mpich bash "$here/scripts/setup_env.sh" | tail -n 1)
     exit $status
   ) || status=1
 else
-  echo "[test] the MPICH environment did not build" >&2
   status=1
 fi
 
@@ -85,4 +90,13 @@ passed = tot["tests"] - failed - tot["skipped"]
 print(f"total: {passed} passed, {failed} failed, {tot['skipped']} skipped")
 sys.exit(1 if failed or passed == 0 else 0)
 PY
+
+# the skips by reason; a component installed here whose tests skipped fails the run
+installed=()
+python -c 'import torch' 2>/dev/null && installed+=(torch)
+python -c 'import jax' 2>/dev/null && installed+=(jax)
+[ -n "${MPIDIST_FT_VENV:-}" ] && installed+=(ft)
+python -c 'import sys; from mpidist.simcluster import unavailable_reason; sys.exit(unavailable_reason() is not None)' 2>/dev/null \
+  && installed+=(netns)
+python "$here/scripts/skip_report.py" "$out" --installed "$(IFS=,; echo "${installed[*]}")" || status=1
 exit $status

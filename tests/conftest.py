@@ -101,7 +101,13 @@ def pytest_generate_tests(metafunc):
     root, path = metafunc.config.rootpath, metafunc.definition.path
     if any(path == root / p or path.is_relative_to(root / p)
            for p in metafunc.config.getini("every_comm")):
-        metafunc.parametrize("comm", list(COMM_SIZES), indirect=True)
+        # a test that needs several ranks never runs on COMM_SELF, at any world size: no
+        # such item is made (it would only ever skip)
+        marker = metafunc.definition.get_closest_marker("mpi")
+        need = 1 if marker is None else marker.kwargs.get("min_size",
+                                                           marker.args[0] if marker.args else 1)
+        kinds = [k for k in COMM_SIZES if k != "self" or need <= 1]
+        metafunc.parametrize("comm", kinds, indirect=True)
 
 
 def pytest_report_header(config):

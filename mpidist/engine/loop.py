@@ -145,11 +145,14 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
                  train.n, test.n, total)
     writer = MetricsWriter(os.path.join(out_dir, "metrics.jsonl"), is_root, append=strategy.step > 0)
     bar = None
-    if is_root and job["progress"]:
-        # on a terminal a live bar; in a batch log (SLURM, CI) a line every 10 s, not thousands
+
+    def progress_bar():
+        # on a terminal a live bar; in a batch log (SLURM, CI) a line every 10 s, not
+        # thousands. Made after the run's first step, which compiles the kernels, so that its
+        # rate and time left come from steady steps
         interactive = sys.stderr.isatty()
-        bar = tqdm(total=total, initial=strategy.step, desc=job["name"], unit="step",
-                   dynamic_ncols=interactive, mininterval=0.1 if interactive else 10.0)
+        return tqdm(total=total, initial=strategy.step, desc=job["name"], unit="step",
+                    dynamic_ncols=interactive, mininterval=0.1 if interactive else 10.0)
 
     sampler = DistributedSampler(train.n, config["data"]["batch_size"], rank=strategy.data_rank,
                                  size=strategy.data_size, seed=job["seed"], shuffle=config["data"]["shuffle"],
@@ -180,6 +183,8 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{m['loss']:.4f}", samples_s=f"{count / t_step:.0f}", refresh=False)
+            elif is_root and job["progress"]:
+                bar = progress_bar()
             last = strategy.step >= total
             if hook is not None:
                 hook.after_step(strategy, last)
@@ -189,9 +194,9 @@ def _train(config: dict, comm, train, test, meta: dict, t_start: float, resilien
             if (ev and strategy.step % ev == 0) or (not ev and (i == per_epoch - 1 or last)):
                 last_eval, eval_at = evaluate(strategy, test, eval_bs), strategy.step
                 writer.write({"event": "eval", "step": strategy.step, "epoch": epoch, **last_eval})
-                if bar is not None:
-                    bar.write(f"[rank 0/{comm.size}] step {strategy.step} epoch {epoch}: test loss "
-                              f"{last_eval['loss']:.4f} accuracy {last_eval['accuracy']:.4f}")
+                if is_root and job["progress"]:
+                    tqdm.write(f"[rank 0/{comm.size}] step {strategy.step} epoch {epoch}: test loss "
+                               f"{last_eval['loss']:.4f} accuracy {last_eval['accuracy']:.4f}")
             if last:
                 break
             t0 = time.perf_counter()

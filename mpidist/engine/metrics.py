@@ -7,14 +7,28 @@ import math
 import os
 import sys
 
+from tqdm import tqdm
+
 __all__ = ["setup_logging", "MetricsWriter", "read_metrics"]
 
 
+class _AboveTheBar(logging.StreamHandler):
+    """Writes each record through tqdm, which clears a live progress bar, prints the line
+    and draws the bar again below it (a plain write would cut through the bar)."""
+
+    def emit(self, record) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:             # as logging's own handlers: never raise from a log call
+            self.handleError(record)
+
+
 def setup_logging(rank: int, size: int, level: int = logging.INFO) -> logging.Logger:
-    """The 'mpidist' logger, every line prefixed with [rank r/size]."""
+    """The 'mpidist' logger, every line prefixed with [rank r/size], printed above a
+    progress bar where one is shown."""
     log = logging.getLogger("mpidist")
     log.handlers.clear()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _AboveTheBar(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[rank {rank}/{size}] %(asctime)s %(levelname)s %(message)s",
                                            datefmt="%H:%M:%S"))
     log.addHandler(handler)

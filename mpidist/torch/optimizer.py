@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from mpidist.collectives import select
 from mpidist.collectives.window import SharedBuffer
 from mpidist import threads
 from mpidist.comm import as_communicator
@@ -172,8 +173,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.layout = Layout((n, tuple(p.shape)) for n, p in named if p.requires_grad)
         dtype = numpy_dtype(self.params[0].dtype)
         # gradients in a node's shared window are reduced where they lie (no copy in)
+        # where auto (the tuned table, or the rule) takes the window for a bucket
         window = compression in (None, "none") and algorithm == "auto" and \
-            SharedBuffer.usable(c, dtype)
+            SharedBuffer.usable(c, dtype) and \
+            select.choose(c, int(bucket_mb * (1 << 20)) or
+                          self.layout.numel * dtype.itemsize) == "shm"
         self.storage = FlatStorage(self.params, self.layout, dtype, c, shared_grads=window,
                                    shared_params=window and bool(zero))
         self.shard = shard_of(self.layout.numel, c, self.zero)

@@ -98,11 +98,19 @@ def baseline(ft_python, tmp_path_factory):
     return s["test_accuracy"]
 
 
-def check_recovered(out, rc, log, baseline, lost: list[list[int]], what):
-    """The job finished on the survivors, each recovery recorded and quick, accuracy kept."""
+def check_recovered(out, rc, log, baseline, lost: list[list[int]], what, merged=False):
+    """The job finished on the survivors, each recovery recorded and quick, accuracy kept.
+    merged: the failures were apart in time, but one recovery may find several of them (a
+    second rank can die before the first failure is detected): the protocol guarantees
+    every lost rank is dropped, in the order they died, not how detection groups them."""
     s = summary_of(out, rc, log, what)
     recs = s["recoveries"]
-    assert [r["lost_ranks"] for r in recs] == lost, (what, recs)
+    got = [r["lost_ranks"] for r in recs]
+    if merged:
+        flat = [r for group in got for r in sorted(group, key=[x for g in lost for x in g].index)]
+        assert flat == [r for group in lost for r in group] and all(got), (what, recs)
+        lost = got
+    assert got == lost, (what, recs)
     n = 4 - sum(len(x) for x in lost)
     assert s["ranks"] == n and recs[-1]["new_size"] == n, (what, s["ranks"], recs)
     assert s["steps"] == TOTAL, (what, s["steps"])
@@ -133,13 +141,15 @@ def test_rank_0_then_another_rank_killed(ft_python, baseline, tmp_path):
     second, other = random.randrange(first + 5, TOTAL - 10), random.randrange(1, 4)
     what = f"rank 0 killed after step {first}, rank {other} after step {second}"
     rc, log = train(ft_python, tmp_path, kill=f"0@{first},{other}@{second}")
-    check_recovered(tmp_path, rc, log, baseline, [[0], [other]], what)
+    recs = check_recovered(tmp_path, rc, log, baseline, [[0], [other]], what, merged=True)
     steps = [json.loads(line).get("step") for line in open(tmp_path / "metrics.jsonl")
              if '"event": "step"' in line]
     # a step that completed inside the optimizer's last collective on some survivors when rank
-    # 0 died has no metrics line anywhere (known limit): only such steps may be missing
+    # 0 died has no metrics line anywhere (known limit): only such steps may be missing, the
+    # one after a kill or the one a recovery happened in
     missing = set(range(1, TOTAL + 1)) - set(steps)
-    assert missing <= {first + 1, second + 1}, (what, "metrics lost steps", sorted(missing))
+    allowed = {first + 1, second + 1} | {r["step"] + d for r in recs for d in (0, 1)}
+    assert missing <= allowed, (what, "metrics lost steps", sorted(missing), recs)
     assert sorted(os.listdir(tmp_path / "checkpoints"))[-1] == f"ckpt-{TOTAL:08d}.h5", what
 
 

@@ -82,6 +82,22 @@ def test_hierarchical_allreduce_and_parameter_server_across_nodes():
     assert all(tx >= sent for (tx, _), sent in zip(counters, got["nic_tx_bytes"])), counters
 
 
+def test_torch_across_nodes_equals_one_process():
+    """mpidist.torch on 2 nodes x 2 ranks (the node's window or the hierarchical allreduce
+    inside, TCP between the nodes) against one process on the global batch."""
+    pytest.importorskip("torch", reason="needs PyTorch (the torch extra)")
+    _need_namespaces()
+    with SimCluster(nodes=2, ranks_per_node=2, bandwidth="1gbit") as cluster:
+        proc = cluster.run([sys.executable, os.path.join(HERE, "torch_check.py")], timeout=240,
+                           capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line[0][len("RESULT "):])
+    assert (got["size"], got["num_nodes"]) == (4, 2), got
+    assert got["auto"] <= 1e-5 and got["hierarchical"] <= 1e-5, got
+
+
 def _namespaces():
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]

