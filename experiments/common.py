@@ -97,9 +97,9 @@ def command_line(name: str, args) -> str:
 
 
 def costmodel():
-    """mpidist's alpha-beta cost model module, imported when an experiment needs it (it
-    starts MPI)."""
-    from mpidist.collectives.tuning import costmodel as module
+    """The alpha-beta cost model (experiments.costmodel), imported when an experiment needs
+    it (it starts MPI)."""
+    from experiments import costmodel as module
     return module
 
 

@@ -25,7 +25,7 @@ __all__ = ["main", "info"]
 _DISPATCH = {
     "train": ("mpidist.engine.train", "run a training job from a TOML config: mpidist train CONFIG"),
     "tune": ("mpidist.collectives.tuning.tune", "time the allreduce algorithms, write auto's decision table"),
-    "explain": ("mpidist.collectives.tuning.explain", "model vs table vs measured time of every allreduce algorithm"),
+    "explain": ("mpidist.collectives.tuning.explain", "auto's allreduce algorithm per size and the table row or rule behind it"),
     "doctor": ("mpidist.doctor", "check this launch: one job, MPI library, threads, placement, GPUs, HDF5"),
 }
 

@@ -4,10 +4,10 @@
     scripts/sim_cluster.sh --nodes 3 --ranks-per-node 1 --bandwidth 100mbit -- python job.py
 
 Each node is a namespace with one NIC on a shared bridge, its bandwidth shaped with `tc`, and
-a hostname of its own, so MPI, mpidist's node detection and the cost model's cache key see
-distinct hosts; ranks start under Open MPI's `mpiexec` and talk TCP between nodes and shared
-memory within one. Root only; nothing is added to the machine's own network namespace, and
-everything is torn down on close(). Layout and limits: SimCluster's; docs/BENCHMARKS.md.
+a hostname of its own, so MPI and mpidist's node detection see distinct hosts; ranks start
+under Open MPI's `mpiexec` and talk TCP between nodes and shared memory within one. Root
+only; nothing is added to the machine's own network namespace, and everything is torn down
+on close(). Layout and limits: SimCluster's; docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -260,7 +260,6 @@ class SimCluster:
             "OMPI_MCA_btl_tcp_if_include": SUBNET,
             "OMPI_MCA_oob_tcp_if_include": SUBNET,
             "OMPI_MCA_osc": "sm,pt2pt",
-            "MPIDIST_CACHE_DIR": os.path.join(self.workdir, "cache"),
             ENV_NODE: self.name,
         })
         if thread_level is not None:

@@ -2,13 +2,12 @@
 library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
 
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --sizes 8,4K,1M,64M --reps 5
-    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --calibrate --dtype float16
+    python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --table allreduce-table.json
 
 Per size and algorithm, through the public allreduce() with its result checked: the median
 over interleaved rounds (order shuffled per round) of the slowest rank's time, its spread,
-algbw and busbw = algbw * 2(p-1)/p, the cost model's prediction and error; "auto" with the
-algorithm it ran; "textbook", the blocking ring every algorithm is held against. The
+algbw and busbw = algbw * 2(p-1)/p; "auto" with the algorithm it ran; "textbook", the blocking ring every algorithm is held against. The
 machine's own drift (bench.steadiness) is sampled around each size. Writes allreduce.csv,
 .json and .png under --out (rank 0). See docs/PERFORMANCE.md.
 """
@@ -29,9 +28,7 @@ from mpidist.bench.steadiness import Steadiness
 from mpidist.collectives import ALGORITHMS, allreduce, flight, select
 from mpidist.collectives.core import prepare_allreduce
 from mpidist.collectives.ops import accumulator_dtype
-from mpidist.collectives.tuning import costmodel
-from mpidist.collectives.tuning.timing import (STATE_BYTES, STATE_TOLERANCE, state_held,
-                                              time_calls)
+from mpidist.collectives.tuning.timing import STATE_TOLERANCE, state_held, time_calls
 from mpidist.comm import Communicator, mpi_library
 from mpidist.partition import chunk
 from mpidist.sizes import format_size, parse_sizes
@@ -82,11 +79,6 @@ def _parse(argv):
                    help="element type (default float32)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="simulate nodes of this many ranks (default: real topology)")
-    p.add_argument("--no-refit", dest="refit", action="store_false",
-                   help="use the cached cost model instead of probing this machine afresh")
-    p.add_argument("--calibrate", action="store_true",
-                   help="fit the cost model from a first sweep of these sizes (not cached) "
-                        "and report its error on the second, timed sweep")
     p.add_argument("--table", default=None,
                    help="auto's decision table (default: env MPIDIST_ALGORITHM_TABLE, else the "
                         "built-in rule)")
@@ -181,32 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     p = c.size
     seed = c.comm.bcast(args.seed, root=0)
     load = os.getloadavg()[0]
-    if args.calibrate:              # sweep 1: the model's samples, never this run's report
-        model = costmodel.probe(c, sizes=args.sizes, seconds=float("inf"))
-        costmodel.install(c, model)
-        how = "calibrated on a first sweep of these sizes"
-    else:
-        model = costmodel.get_model(c, refit=args.refit)
-        how = "probed afresh" if args.refit else "cached"
-    cond = model.levels["world"].get("conditions", {})
-    probe_state = float(np.median(cond["state_s"])) if "state_s" in cond else None
-    state = "" if probe_state is None else \
-        (f", {STATE_BYTES >> 10} KiB MPI_Allreduce {probe_state * 1e6:.0f} us"
-         f"{'' if cond.get('state_steady') else ', NOT steady during the probe'}")
-    probed = (f"cost model {how} (load {cond['load_before']:.1f}, {cond['seconds']:.0f} s, "
-              f"sizes to {format_size(cond['sizes'][-1])}{state})") if cond \
-        else f"cost model {how}"
     dispatch = _dispatch_cost(c, 4096)
     library = "".join(ch for ch in mpi_library() if ch.isprintable())
     header = (f"mpidist bench allreduce: {library}; {c.describe()}; {args.dtype}; "
-              f"load average {load:.1f} on {os.cpu_count()} cores; {probed}; auto dispatch "
+              f"load average {load:.1f} on {os.cpu_count()} cores; auto dispatch "
               f"{dispatch['choose'] * 1e9:.0f} ns lookup, "
               f"{(dispatch['prepare_auto'] - dispatch['prepare_native']) * 1e9:+.0f} ns "
               f"vs an explicit algorithm's argument check; auto: {select.describe(c)}")
     if c.rank == 0:
         print(header)
         print(f"{'size':>8} {'algorithm':>26} {'time us':>12} {'spread':>7} {'algbw GB/s':>11} "
-              f"{'busbw GB/s':>11} {'vs native':>9} {'model us':>10} {'error':>6} {'reps':>5} "
+              f"{'busbw GB/s':>11} {'vs native':>9} {'reps':>5} "
               f"{'check':>5}", flush=True)
     steadiness = Steadiness(c.comm)
     steadiness.sample()
@@ -226,33 +203,25 @@ def main(argv: list[str] | None = None) -> int:
             q1, q3 = np.percentile(samples, [25, 75])
             algbw = x.nbytes / t / 1e9
             busbw = algbw * 2 * (p - 1) / p if p > 1 else algbw
-            model_pick = model.choose(reduced) if alg == "auto" else None
             pick = select.choose(c, reduced) if alg == "auto" else alg
             label = f"auto [{pick}]" if alg == "auto" else alg
-            pred = model.predict(pick, reduced) if pick in model.candidates() else None
             row = {"bytes": x.nbytes, "algorithm": alg, "label": label, "time_us": t * 1e6,
                    "p25_us": q1 * 1e6, "p75_us": q3 * 1e6, "spread": (q3 - q1) / t,
                    "algbw_GBps": algbw, "busbw_GBps": busbw, "reps": n, "ok": ok,
                    "vs_native": busbw / native_bw if native_bw else None,
-                   "model_us": pred * 1e6 if pred is not None else None,
-                   "model_error": (pred - t) / t if pred is not None else None,
                    "vs_best_paired": paired if alg == "auto" else None,
-                   "pick": pick, "model_pick": model_pick}
+                   "pick": pick}
             rows.append(row)
             if c.rank == 0:
                 vs = f"{row['vs_native']:.2f}x" if row["vs_native"] else "-"
-                mod = f"{pred * 1e6:10.1f} {row['model_error']:+6.0%}" if pred is not None \
-                    else f"{'-':>10} {'-':>6}"
                 print(f"{format_size(x.nbytes):>8} {label:>26} {t * 1e6:12.1f} "
-                      f"{row['spread']:6.0%} {algbw:11.3f} {busbw:11.3f} {vs:>9} {mod} "
+                      f"{row['spread']:6.0%} {algbw:11.3f} {busbw:11.3f} {vs:>9} "
                       f"{n:5d} {'ok' if ok else 'WRONG':>5}", flush=True)
         del x
         steadiness.sample()
         around = steadiness.state_samples[-2:]          # before and after this size
         for row in rows[-len(args.algorithms):] if around else []:
             row["state_around_s"] = around
-            if probe_state is not None:
-                row["state_vs_probe"] = [t / probe_state for t in around]
     if c.rank == 0:
         _summary(rows, p)
         print(f"  {steadiness.line()}")
@@ -266,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
                        "load_before": load, "load_after": os.getloadavg()[0],
                        "dispatch_s": dispatch, "steadiness": steadiness.summary(),
-                       "model": model.to_json(), "auto": select.describe(c), "rows": rows}, f,
+                       "auto": select.describe(c), "rows": rows}, f,
                       indent=1)
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")
@@ -285,30 +254,14 @@ def _auto_vs_best_paired(timed: dict) -> float | None:
     return float(np.median(timed["auto"][0] / timed[best][0]))
 
 
-def _state_moved(row: dict) -> float | None:
-    """How far the machine state moved from the probe's around this row's size (the
-    sample further from 1x, as a ratio), or None while both stayed within STATE_TOLERANCE."""
-    ratios = row.get("state_vs_probe")
-    if not ratios:
-        return None
-    far = max(ratios, key=lambda r: max(r, 1 / r))
-    return None if state_held((far, 1.0)) else far
-
-
 def _state_held(row: dict) -> bool:
     """Whether the machine state stayed within STATE_TOLERANCE across this row's size."""
     return state_held(row.get("state_around_s") or (1.0,))
 
 
-def _model_rows(rows: list[dict], own: list[str]) -> list[dict]:
-    """The rows the model-error target covers: >= 64 KiB, predicted, not auto."""
-    return [r for r in rows if r["bytes"] >= (64 << 10) and r["model_error"] is not None
-            and r["algorithm"] in own + ["native"]]
-
-
 def _summary(rows, p: int) -> None:
     """Per size: the best algorithm, mpidist's best against native and the textbook ring,
-    auto against the best, and the cost model's error, read off this run."""
+    auto against the best, read off this run."""
     by = {(r["bytes"], r["algorithm"]): r for r in rows}
     sizes = sorted({r["bytes"] for r in rows})
     own = [a for a in dict.fromkeys(r["algorithm"] for r in rows)
@@ -337,13 +290,6 @@ def _summary(rows, p: int) -> None:
                 notes += f"; the machine state moved {after / before:.2f}x during this size"
             line += (f"; auto {auto['time_us'] / best['time_us']:.2f}x best time "
                      f"({auto['vs_best_paired']:.2f}x paired{notes})")
-        errs = [abs(by[s, a]["model_error"]) for a in own + ["native"]
-                if (s, a) in by and by[s, a]["model_error"] is not None]
-        if errs and s >= (64 << 10):
-            line += f"; model error max {max(errs):.0%}"
-            moved = _state_moved(cands[0])
-            if moved:
-                line += f" (machine state {moved:.2f}x the probe's)"
         if (s, "textbook") in by and own:
             top = min((by[s, a] for a in own if (s, a) in by), key=lambda r: r["time_us"])
             line += f"; vs textbook {by[s, 'textbook']['time_us'] / top['time_us']:.2f}x"
@@ -368,30 +314,4 @@ def _summary(rows, p: int) -> None:
             line += (f"; at the {len(held)} of {len(autos)} sizes where the machine state held "
                      f"(within {STATE_TOLERANCE - 1:.0%}, before and after): worst {w[0]:.2f}x "
                      f"at {w[1]} B")
-        print(line)
-        # what the model's own choice, timed in the same sweep, would have cost
-        alone = []
-        for ratio, s in autos:
-            pick, best_us = by[s, "auto"]["model_pick"], by[s, "auto"]["time_us"] / ratio
-            if (s, pick) in by:
-                alone.append((by[s, pick]["time_us"] / best_us, s, pick))
-        if alone:
-            w = max(alone)
-            print(f"  the model's choice instead of auto's: worst {w[0]:.2f}x at "
-                  f"{w[1]} B ({w[2]})")
-    model_rows = _model_rows(rows, own)
-    errs = [(abs(r["model_error"]), r["algorithm"], r["bytes"]) for r in model_rows]
-    if errs:
-        worst = max(errs)
-        line = (f"  model error at >= 64 KiB (target <= 25%): worst {worst[0]:.0%} "
-                f"({worst[1]} at {worst[2]} B), median {np.median([e[0] for e in errs]):.0%}")
-        if all("state_vs_probe" in r for r in rows):
-            kept = [e for e, r in zip(errs, model_rows) if not _state_moved(r)]
-            n_all = len({e[2] for e in errs})
-            n_kept = len({e[2] for e in kept})
-            line += (f"; at the {n_kept} of {n_all} sizes where the machine state (a "
-                     f"{STATE_BYTES >> 10} KiB MPI_Allreduce before and after the size) "
-                     f"stayed within {STATE_TOLERANCE - 1:.0%} of the probe's: ")
-            line += (f"worst {max(kept)[0]:.0%} ({max(kept)[1]} at {max(kept)[2]} B)" if kept
-                     else "none")
         print(line)

@@ -72,13 +72,15 @@ class Table:
                                 {"upto": null, "algorithm": "shm"}]}]}
 
     A size goes to the first row whose `upto` (inclusive) holds it; past the last `upto`, the
-    last row. Other keys (the tuner's measurements) are notes and are ignored.
+    last row. Other keys (the tuner's measurements) are notes: kept with the entry, never
+    read by choose().
     """
 
     def __init__(self, data, path: str = "<table>"):
         """ValueError naming the file and the entry for anything malformed."""
         self.path = path
         self.steps: dict[tuple, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+        self.entries: dict[tuple, dict] = {}        # the layouts as written, notes included
 
         def bad(what: str) -> ValueError:
             return ValueError(f"allreduce algorithm table {path}: {what}; fix the file or "
@@ -135,6 +137,21 @@ class Table:
             if key in self.steps:
                 raise bad(f"{where} repeats the layout {key}")
             self.steps[key] = (tuple(ends), tuple(names))
+            self.entries[key] = entry
+
+    def entry(self, layout: dict) -> dict | None:
+        """The table's entry for layout (layout_of's form) as written, or None."""
+        return self.entries.get(_key(layout))
+
+    def row(self, layout: dict, nbytes: int) -> tuple[int, int, str] | None:
+        """(index, inclusive upper end, algorithm) of layout's row that holds nbytes (past
+        the last end: the last row; an open end is 1 << 62), or None for an unlisted layout."""
+        found = self.steps.get(_key(layout))
+        if found is None:
+            return None
+        ends, names = found
+        i = min(bisect.bisect_left(ends, nbytes), len(names) - 1)
+        return i, ends[i], names[i]
 
 
 def load_table(path: str) -> Table:

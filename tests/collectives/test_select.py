@@ -9,8 +9,7 @@ import pytest
 from mpidist.bench import allreduce as bench_allreduce
 from mpidist.collectives import ALGORITHMS, allreduce, flight, select, shm
 from mpidist.collectives.core import prepare_allreduce
-from mpidist.collectives.tuning import tune
-from mpidist.collectives.tuning.costmodel import CostModel
+from mpidist.collectives.tuning import explain, tune
 from mpidist.errors import RemoteError
 from mpidist.ft import ulfm
 
@@ -150,16 +149,10 @@ def test_a_table_missing_on_one_rank_fails_every_rank(comm, tmp_path):
         allreduce(np.ones(10, np.float32), comm=comm)
 
 
-def _model(p: int) -> CostModel:
-    fits = {"ring": [50e-6, 0.4e-9], "tree": [30e-6, 0.5e-9], "native": [40e-6, 2.0e-9],
-            "recursive_doubling": [2e-6, 0.6e-9]}
-    return CostModel({"world": {"p": p, "gamma": 0.1e-9, "fits": fits, "samples": {}}}, 1, 1)
-
-
 def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     path = os.path.join(_shared_dir(comm, tmp_path), "tuned.json")
     sizes = [1 << 10, 64 << 10, 1 << 20]
-    entry = tune.tune(comm, _model(comm.size), sizes, reps=1)
+    entry = tune.tune(comm, sizes, reps=1)
     picks = [m["pick"] for m in entry["measured"]]
     assert comm.comm.allgather(picks) == [picks] * comm.size      # the same on every rank
     for m in entry["measured"]:
@@ -178,6 +171,37 @@ def test_tune_writes_a_table_that_is_read_back_and_obeyed(comm, tmp_path):
     assert doc["layouts"][0] == other and len(doc["layouts"]) == 2   # other layouts kept
     select.use_table(path)
     assert [select.choose(comm, n) for n in sizes] == picks
+    rows = explain.explain(sizes, comm)                 # explain reads what auto runs
+    assert [r["auto"] for r in rows] == picks
+    assert all(r["tuned"]["bytes"] == n and r["tuned"]["pick"] == r["auto"]
+               for r, n in zip(rows, sizes))
+    if comm.size > 1:
+        assert all(r["source"].startswith("table row ") for r in rows)
+
+
+def test_explain_names_the_table_row_or_the_rule(comm, tmp_path):
+    """Per size: auto's algorithm, the rule's beside it, and which decided; no timing
+    unless asked, then every candidate once per round."""
+    sizes = [1 << 10, 1 << 20, 4 << 20]
+    rows = explain.explain(sizes, comm)
+    assert [r["auto"] for r in rows] == [select.choose(comm, n) for n in sizes]
+    assert [r["rule"] for r in rows] == [select.rule(comm, n) for n in sizes]
+    assert all(r["auto"] == r["rule"] and r["tuned"] is None and r["measured"] is None
+               for r in rows)
+    assert all(r["source"] == ("one rank: native" if comm.size == 1 else "rule (no table)")
+               for r in rows)
+    path = os.path.join(_shared_dir(comm, tmp_path), "t.json")
+    _write(comm, path, _table(select.layout_of(comm), [{"upto": "4K", "algorithm": "tree"},
+                                                       {"upto": None, "algorithm": "ring"}]))
+    select.use_table(path)
+    rows = explain.explain(sizes, comm, reps=1)
+    if comm.size > 1:
+        assert [r["auto"] for r in rows] == ["tree", "ring", "ring"]
+        assert [r["source"] for r in rows] == ["table row 1 (to 4K)"] + \
+            ["table row 2 (open-ended)"] * 2
+    assert all(set(r["measured"]) == set(tune.candidates(comm) if comm.size > 1
+                                         else ["native"]) for r in rows)
+    assert all(t > 0 for r in rows for t in r["measured"].values())
 
 
 def test_tune_times_every_algorithm_the_benchmark_holds_auto_against(comm):

@@ -1,4 +1,4 @@
-"""Timing allreduce calls the way the probe, the tuner and the benchmark all do.
+"""Timing allreduce calls the way the tuner and the benchmark both do.
 
 Every call goes through the public allreduce(); the calls run in interleaved rounds in an
 order shuffled per round (the same on every rank), each after a barrier, and a point is the
@@ -20,8 +20,7 @@ __all__ = ["round_order", "time_rounds", "time_calls", "time_algorithms", "measu
            "measure", "machine_state", "state_held", "STATE_BYTES", "STATE_TOLERANCE"]
 
 STATE_BYTES = 256 << 10            # the machine_state reference: in the caches, between ranks
-STATE_TOLERANCE = 1.25             # a larger move of machine_state: another machine (25%: the
-                                   # model's own error target)
+STATE_TOLERANCE = 1.25             # a larger move of machine_state: another machine
 
 
 def round_order(m: int, round_index: int, seed: int) -> list[int]:
@@ -60,7 +59,7 @@ def time_calls(comm, calls: dict, *, reps: int | None = None, seconds: float = 1
     reps rounds, or (reps None) as many as fit in `seconds` in all, within [min_reps,
     max_reps], as a second, warm call of each says (min_reps where the first calls already
     took longer), judged by the slowest rank so that every rank runs as many. setup() runs
-    before every call, untimed. The one timing loop of the probe, the tuner and the bench."""
+    before every call, untimed. The one timing loop of the tuner and the bench."""
     t0 = time.perf_counter()
     for name, call in calls.items():
         if setup is not None:
@@ -111,9 +110,9 @@ def machine_state(comm: MPI.Comm, reps: int = 15) -> float:
 
     How fast data moves between the ranks' caches right now. On a shared VM this can change
     by a few times within seconds while memory bandwidth does not (docs/PERFORMANCE.md), and
-    every time the model holds for sizes that live in the caches moves with it. The probe
-    stores it with the model, so a later run can tell whether it measures the machine the
-    model was fitted on."""
+    every timing of sizes that live in the caches moves with it. A benchmark samples it
+    around its figures, so a reader can tell whether two of them were taken on the same
+    machine."""
     x = np.ones(STATE_BYTES // 4, np.float32)
     times = np.empty(reps)
     for i in range(reps):

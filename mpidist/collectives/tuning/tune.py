@@ -25,7 +25,7 @@ import numpy as np
 
 from mpidist.collectives import select, shm
 from mpidist.collectives.registry import ALGORITHMS
-from mpidist.collectives.tuning import costmodel, timing
+from mpidist.collectives.tuning import timing
 from mpidist.comm import Communicator, mpi_library
 from mpidist.sizes import format_size, parse_sizes
 
@@ -77,7 +77,7 @@ def _clearly_ahead(passes: list[dict], a: str, b: str, gain: float) -> bool:
     return float(np.mean(margins)) > max(gain, spread)
 
 
-def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
+def tune(comm, sizes, reps: int | None = None, seconds: float = SECONDS,
          passes: int = PASSES) -> dict:
     """Collective: time every algorithm at every size in `passes` passes over the ladder
     (reps rounds per size and pass, or as many as fit in `seconds`); returns the table
@@ -101,7 +101,7 @@ def tune(comm, model, sizes, reps: int | None = None, seconds: float = SECONDS,
     measured = []
     for n, done, t, rule, sec in zip(sizes, passed, times, rules, spent):
         pick = decide(done, rule if rule in ns else ns[0], MIN_GAIN)
-        measured.append({"bytes": n, "pick": pick, "model": model.choose(n), "rule": rule,
+        measured.append({"bytes": n, "pick": pick, "rule": rule,
                          "behind": {a: [round(b[a], 3) for b in done]
                                     for a in sorted(ns, key=lambda a: sum(b[a] for b in done))},
                          "us": {a: round(float(np.median(t[a])) * 1e6, 1) for a in ns},
@@ -159,10 +159,6 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"time per size and pass that sets the rounds (default {SECONDS})")
     ap.add_argument("--passes", type=int, default=PASSES,
                     help=f"the screening pass and the re-checks (default {PASSES})")
-    ap.add_argument("--refit", action="store_true",
-                    help="probe the cost model afresh (and cache it) instead of loading it")
-    ap.add_argument("--probe-sizes", type=parse_sizes, default=None,
-                    help="probe the cost model afresh at these sizes only (not cached)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="simulate nodes of this many ranks (default: real topology)")
     args = ap.parse_args(argv)
@@ -171,18 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--reps and --passes must be >= 1, --seconds > 0, every size >= 4 bytes")
     c = Communicator(ranks_per_node=args.ranks_per_node)
     t0 = time.perf_counter()
-    if args.probe_sizes:
-        model = costmodel.probe(c, sizes=args.probe_sizes)
-    else:
-        model = costmodel.get_model(c, refit=args.refit)
-    entry = tune(c, model, args.sizes, args.reps, args.seconds, args.passes)
+    entry = tune(c, args.sizes, args.reps, args.seconds, args.passes)
     if c.rank == 0:
         made = {"by": "mpidist tune", "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "mpi": mpi_library(), "seconds": round(time.perf_counter() - t0, 1),
                 "reps": args.reps, "seconds_per_pass": args.seconds, "passes": args.passes}
         write_table(args.out, entry, made)
         print(f"# {mpi_library()}; {c.describe()}")
-        print(f"{'size':>8} {'pick':>19} {'rule':>12} {'model':>19} {'rounds':>6} {'s':>5}  "
+        print(f"{'size':>8} {'pick':>19} {'rule':>12} {'rounds':>6} {'s':>5}  "
               f"least behind the fastest, per pass; median (us)")
         for m in entry["measured"]:
             timed = ", ".join(f"{a} {t:.1f}" for a, t in sorted(m["us"].items(),
@@ -190,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             held = ", ".join(f"{a} " + " ".join(f"{b:.2f}" for b in bs)
                              for a, bs in list(m["behind"].items())[:3])
             print(f"{format_size(m['bytes']):>8} {m['pick']:>19} {m['rule']:>12} "
-                  f"{m['model']:>19} {m['rounds']:>6} {m['seconds']:5.1f}  {held}; {timed}")
+                  f"{m['rounds']:>6} {m['seconds']:5.1f}  {held}; {timed}")
         rows = ", ".join(f"{r['algorithm']} to {r['upto']}" if r["upto"] else
                          f"{r['algorithm']} beyond" for r in entry["sizes"])
         print(f"wrote {args.out}: {rows}", flush=True)

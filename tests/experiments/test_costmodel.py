@@ -1,16 +1,12 @@
-"""The alpha-beta-gamma cost model (collectives.tuning), its cache, and `explain`."""
+"""The alpha-beta-gamma cost model (experiments.costmodel): its formulas, its fits and its
+probe. mpidist itself decides from measurement alone; the model is an experiment."""
 import json
 import math
-import os
 
-import numpy as np
 import pytest
 
-from mpidist.collectives import allreduce, select
-from mpidist.collectives.tuning import costmodel, explain, fit, timing
-from mpidist.collectives.tuning.costmodel import CostModel
-from mpidist.collectives.tuning.fit import coefficients
-from mpidist.sizes import format_size, parse_size
+from experiments import costmodel
+from experiments.costmodel import CostModel, coefficients
 
 
 def test_coefficients_follow_the_algorithms():
@@ -28,7 +24,7 @@ def test_fit_recovers_alpha_and_beta():
     sizes = [4 << 10, 64 << 10, 1 << 20, 8 << 20]
     a, b, g = coefficients("ring", p)
     times = [a * alpha + b * n * beta + g * n * gamma for n in sizes]
-    fa, fb = fit.fit_least_squares("ring", p, gamma, sizes, times)
+    fa, fb = costmodel.fit_least_squares("ring", p, gamma, sizes, times)
     assert math.isclose(fa, alpha, rel_tol=1e-6) and math.isclose(fb, beta, rel_tol=1e-6)
 
 
@@ -47,7 +43,7 @@ def test_pieces_run_through_the_probe_points():
         return a * al + b * n * be + g * n * gamma
 
     times = [cost(n) for n in sizes]
-    pieces = fit.fit_pieces("ring", p, gamma, sizes, times)
+    pieces = costmodel.fit_pieces("ring", p, gamma, sizes, times)
     assert [pc[0] for pc in pieces] == sizes[1:]
     for pc in pieces:
         al, be = near if pc[0] <= brk else far
@@ -59,14 +55,14 @@ def test_pieces_run_through_the_probe_points():
 
 
 def test_pieces_follow_a_time_that_grows_faster_than_the_bytes():
-    """The MPI library's allreduce measured 2.21 ms at 16 MiB and 27.16 ms at 64 MiB here
-    (a fresh buffer faulted in per call): the piece between them needs a negative alpha to
-    pass through both points. The first and last pieces, which also extrapolate, never
+    """An MPI library that faults in a fresh buffer per call can take 12x longer at 64 MiB
+    than at 16 MiB: the piece between them needs a negative alpha to pass through both
+    points. The first and last pieces, which also extrapolate, never
     predict a negative time or one that falls with more bytes."""
     p, gamma = 2, 0.0
     sizes = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
     times = [0.12e-3, 2.21e-3, 27.16e-3, 25e-3]              # noise: 256 MiB below 64 MiB
-    pieces = fit.fit_pieces("native", p, gamma, sizes, times)
+    pieces = costmodel.fit_pieces("native", p, gamma, sizes, times)
     m = CostModel({"world": {"p": p, "gamma": gamma, "fits": {"native": [0.0, 0.0]},
                              "pieces": {"native": pieces}}}, 1, 1)
     for n, t in zip(sizes, times):
@@ -74,56 +70,6 @@ def test_pieces_follow_a_time_that_grows_faster_than_the_bytes():
     assert 2.21e-3 < m.predict("native", 40 << 20) < 27.16e-3
     assert 0 <= m.predict("native", 8) <= m.predict("native", 1 << 20)
     assert math.isclose(m.predict("native", 1 << 30), 4 * 25e-3)    # past the last point
-
-
-def test_round_order_is_shuffled_and_agreed():
-    """Every round runs every call once; the orders are reproducible from the seed (so
-    every rank runs the same one) and no call always follows the same other call."""
-    m, rounds = 6, 40
-    orders = [timing.round_order(m, i, seed=3) for i in range(rounds)]
-    assert all(sorted(o) == list(range(m)) for o in orders)
-    assert orders == [timing.round_order(m, i, seed=3) for i in range(rounds)]
-    assert orders != [timing.round_order(m, i, seed=4) for i in range(rounds)]
-    for k in range(m):
-        before = {o[o.index(k) - 1] for o in orders if o.index(k) > 0}
-        assert len(before) > 1, f"call {k} always timed after call {before}"
-
-
-def test_time_rounds_times_every_call(comm):
-    counts = {"a": 0, "b": 0}
-
-    def bump(name):
-        counts[name] += 1
-
-    times = timing.time_rounds(comm, {n: (lambda n=n: bump(n)) for n in counts}, 5, seed=1)
-    assert counts == {"a": 5, "b": 5}
-    assert set(times) == {"a", "b"} and all(t.shape == (5,) and (t >= 0).all()
-                                            for t in times.values())
-    texts = comm.comm.allgather(times["a"].tobytes())
-    assert len(set(texts)) == 1                      # the slowest rank's time, everywhere
-
-
-def test_time_algorithms_runs_the_rounds_asked_or_the_budget(comm):
-    """reps rounds when given; else as many as the time budget allows, within the bounds,
-    the same count on every rank."""
-    times = timing.time_algorithms(comm, ["native", "ring"], 1024, reps=2)
-    assert set(times) == {"native", "ring"} and times["ring"].shape == (2,)
-    few = timing.time_algorithms(comm, ["native"], 64, seconds=1e-9, min_reps=3)
-    many = timing.time_algorithms(comm, ["native"], 64, seconds=10.0, max_reps=7)
-    assert few["native"].shape == (3,) and many["native"].shape == (7,)
-    assert len(set(comm.comm.allgather(many["native"].tobytes()))) == 1
-
-
-def test_time_calls_warms_up_and_checks_each_call_once_then_times_the_rounds(comm):
-    """Each call runs once untimed, with setup() before and warmed(name) after, then in as
-    many timed rounds as asked; setup() runs before every call."""
-    log = []
-    calls = {n: (lambda n=n: log.append(n)) for n in ("a", "b")}
-    times = timing.time_calls(comm, calls, reps=3, setup=lambda: log.append("setup"),
-                              warmed=lambda n: log.append(f"warmed {n}"))
-    assert log[:6] == ["setup", "a", "warmed a", "setup", "b", "warmed b"]
-    assert log[6:].count("a") == log[6:].count("b") == 3 and log[6:].count("setup") == 6
-    assert "warmed a" not in log[6:] and times["a"].shape == (3,)
 
 
 def _model(p=4, nodes=1, per_node=1):
@@ -182,43 +128,3 @@ def test_probe_repeats_a_level_that_saw_the_machine_state_move(comm, monkeypatch
     cond = m.levels["world"]["conditions"]
     assert len(calls) == 6 and cond["state_s"] == [2e-4, 2.1e-4, 2e-4]
     assert cond["state_steady"] is True
-
-
-@pytest.fixture
-def cached_model(comm, tmp_path, monkeypatch):
-    """A synthetic model written where get_model looks (rank 0's temporary directory)."""
-    root = comm.comm.bcast(str(tmp_path), root=0)
-    monkeypatch.setenv("MPIDIST_CACHE_DIR", root)
-    path = costmodel.cache_path(comm)
-    model = _model(p=comm.size)
-    if comm.rank == 0:
-        costmodel._write(path, model.to_json())
-    comm.comm.Barrier()
-    return path, model
-
-
-def test_get_model_reads_the_cache(comm, cached_model):
-    path, model = cached_model
-    got = costmodel.get_model(comm)
-    assert got.to_json() == model.to_json()
-    assert got.choose(64) == ("recursive_doubling" if comm.size > 1 else "native")
-    x = np.arange(100, dtype=np.float32)
-    assert np.array_equal(allreduce(x, comm=comm), np.arange(100) * comm.size)
-    if comm.rank == 0:
-        assert os.path.exists(path)
-
-
-def test_explain_rows(comm, cached_model):
-    rows = explain.explain([4096], comm, reps=1)
-    names = [r["algorithm"] for r in rows]
-    modelled = _model().candidates() if comm.size > 1 else ["native"]
-    ruled = select.rule(comm, 4096)
-    assert names == modelled + ([ruled] if ruled not in modelled else [])
-    assert sum(r["chosen"] for r in rows) == 1 and all(r["measured"] > 0 for r in rows)
-    assert sum(r["picked"] for r in rows) == 1
-
-
-def test_parse_size():
-    assert [parse_size(s) for s in ("512", "4K", "64KiB", "1M", "2G", "1.5K", 7)] == \
-        [512, 4096, 65536, 1 << 20, 2 << 30, 1536, 7]
-    assert [format_size(n) for n in (512, 4096, 1 << 20, 1536)] == ["512", "4K", "1M", "1536"]
