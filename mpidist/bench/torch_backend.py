@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from mpidist.bench._driver import drive
+from mpidist.bench._driver import add_cluster_options, drive
 
 __all__ = ["main"]
 
@@ -32,6 +32,7 @@ def _parse(argv):
     p.add_argument("--algorithm", default="auto", help="mpidist allreduce algorithm")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="DDP's bucket_cap_mb, for both backends (25 is DDP's default)")
+    add_cluster_options(p)
     p.add_argument("--bucket-view", action="store_true",
                    help="DDP's gradient_as_bucket_view=True, for both backends (default: "
                         "DDP's default, False)")
@@ -41,6 +42,9 @@ def _parse(argv):
                    help="measure at the current world size (under mpiexec)")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+TOLERANCE = 1e-6     # the backends' parameters agree to this (relative), or the bench fails
 
 
 def _mlp():
@@ -66,12 +70,13 @@ def _worker(args) -> dict:
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(args.batch, IN, generator=gen)
     y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
-    steps = {}
+    steps, nets = {}, {}
     for name in VARIANTS:
         model = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=groups[name],
                                                           bucket_cap_mb=args.bucket_mb,
                                                           gradient_as_bucket_view=args.bucket_view)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
+        nets[name] = model.module
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
 
         def step(model=model, opt=opt):
             opt.zero_grad()
@@ -80,16 +85,21 @@ def _worker(args) -> dict:
         steps[name] = step
 
     times = {k: [] for k in steps}
+    order = np.random.default_rng(1234)         # the same shuffles on every rank
     for i in range(args.warmup + args.steps):
-        for k, fn in steps.items():
+        for k in order.permutation(list(steps)):
             comm.comm.Barrier()
             t0 = time.perf_counter()
-            fn()
+            steps[k]()
             if i >= args.warmup:
                 times[k].append(time.perf_counter() - t0)
+    a, b = (torch.cat([p.detach().reshape(-1).double() for p in nets[k].parameters()])
+            for k in VARIANTS)
+    diff = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
     out = {"ranks": comm.size, "batch_per_rank": args.batch, "algorithm": args.algorithm,
            "bucket_mb": args.bucket_mb, "bucket_view": args.bucket_view,
-           "params": sum(p.numel() for p in _mlp().parameters())}
+           "params": sum(p.numel() for p in _mlp().parameters()),
+           "agree": comm.comm.allreduce(diff, op=MPI.MAX)}
     for k, rows in times.items():
         slowest = np.empty(len(rows))
         comm.comm.Allreduce(np.asarray(rows), slowest, op=MPI.MAX)
@@ -105,15 +115,25 @@ def _report(rows, args) -> str:
     lines = [f"DDP, MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
              f"batch {args.batch}/rank, momentum SGD, DDP buckets {args.bucket_mb:g} MB"
              f"{' (gradients as bucket views)' if args.bucket_view else ''}, one "
-             f"thread per rank, {args.steps} timed steps alternated; mpidist algorithm "
-             f"{args.algorithm}", head, "-" * len(head)]
+             f"thread per rank, {args.steps} timed steps, shuffled each round; mpidist algorithm "
+             f"{args.algorithm}; on "
+             + (f"simulated cluster {args.cluster} at {args.bandwidth}" if args.cluster
+                else "this host"), head, "-" * len(head)]
     for r in rows:
         for v in VARIANTS:
             m = r[v]
             ratio = m["samples_per_s"] / r["gloo"]["samples_per_s"]
             lines.append(f"{r['ranks']:>5} {v:>8} {m['step'] * 1e3:>8.1f} "
                          f"{m['samples_per_s']:>10.0f} {ratio:>7.2f}x")
+        lines.append(f"{'':>5} the two models' parameters: largest relative difference "
+                     f"{r['agree']:.1e} (must be <= {TOLERANCE:g})")
     return "\n".join(lines)
+
+
+def check(rows) -> str | None:
+    """Why the rows are void (the backends trained the model to different parameters)."""
+    bad = [f"{r['ranks']} ranks: {r['agree']:.1e}" for r in rows if not r["agree"] <= TOLERANCE]
+    return ("the backends ended with different parameters: " + "; ".join(bad)) if bad else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,4 +154,4 @@ def main(argv: list[str] | None = None) -> int:
                  ["--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--batch", str(args.batch), "--algorithm", args.algorithm,
                   "--bucket-mb", str(args.bucket_mb)]
-                 + (["--bucket-view"] if args.bucket_view else []))
+                 + (["--bucket-view"] if args.bucket_view else []), check=check)

@@ -1,5 +1,6 @@
-"""`mpidist bench torch --model gpt` runs end to end at a tiny size on 2 ranks (figures not
-checked: benchmarks print, tests assert behaviour; here the report's rows)."""
+"""`mpidist bench torch` and `bench torch_backend`: end to end at a tiny size on 2 ranks, and
+their invariants (figures not checked: benchmarks print, tests assert behaviour): every
+variant trained the same model to the same parameters, and a run where they differ fails."""
 import json
 import os
 import subprocess
@@ -26,5 +27,45 @@ def test_bench_torch_gpt_reports_every_variant(tmp_path):
     (row,) = json.loads((out / "torch.json").read_text())["rows"]
     from mpidist.torch.models import GPT
     assert row["ranks"] == 2 and row["params"] == sum(p.numel() for p in GPT().parameters())
-    for variant in ("torch", "ddp", "mpidist", "zero2"):
+    for variant in ("torch", "ddp", "mpidist", "mpidist-fused", "zero2"):
         assert row[variant]["samples_per_s"] > 0
+    # the data-parallel variants (not plain torch, on one rank's batch) reached one model
+    assert set(row["agree"]["variants"]) == {"ddp", "mpidist", "mpidist-fused", "zero2"}
+    assert row["agree"]["max_rel_diff"] <= 1e-5, row["agree"]
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(400)
+def test_bench_torch_backend_checks_both_backends_agree(tmp_path):
+    out = tmp_path / "bench"
+    argv = [sys.executable, "-m", "mpidist", "bench", "torch_backend", "--ranks", "2",
+            "--steps", "2", "--warmup", "1", "--batch", "4", "--out", str(out)]
+    proc = subprocess.run(argv, env=without_job_variables(os.environ), timeout=360,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((out / "torch_backend.json").read_text())["rows"]
+    assert row["agree"] <= 1e-6 and "largest relative difference" in proc.stdout
+
+
+def test_a_bench_whose_variants_differ_fails():
+    from mpidist.bench import torch as bench_torch
+    from mpidist.bench import torch_backend
+    same = {"ranks": 2, "agree": {"max_rel_diff": 3e-7, "pair": ("ddp", "mpidist"),
+                                  "variants": ["ddp", "mpidist"]}}
+    apart = {"ranks": 4, "agree": {"max_rel_diff": 2e-3, "pair": ("ddp", "mpidist"),
+                                   "variants": ["ddp", "mpidist"]}}
+    assert bench_torch.check([same]) is None
+    assert "4 ranks: 2.0e-03 (ddp vs mpidist)" in bench_torch.check([same, apart])
+    nan = {"ranks": 2, "agree": {"max_rel_diff": float("nan"), "pair": ("ddp", "mpidist"),
+                                 "variants": ["ddp", "mpidist"]}}
+    assert bench_torch.check([nan]) is not None              # NaN parameters never pass
+    assert torch_backend.check([{"ranks": 2, "agree": 0.0}]) is None
+    assert torch_backend.check([{"ranks": 2, "agree": 1e-3}]) is not None
+
+
+def test_the_link_bound_is_bytes_per_step_over_the_bandwidth():
+    from mpidist.bench.torch import link_bound
+    sent, rate = link_bound(params=1_000_000, ranks=2, nodes=2, batch=100, bits_per_s=1e9)
+    assert sent == 4_000_000                        # 2 (n-1)/n of the fp32 gradients, n = 2
+    assert rate == pytest.approx(200 / (4e6 * 8 / 1e9))
+    assert link_bound(1_000_000, 4, 1, 100, 1e9) is None   # one node: no link to bound it
