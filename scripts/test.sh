@@ -61,7 +61,7 @@ run n5 5 tests/test_comm.py tests/collectives "$@"
 # its own Numba cache (the ballot's kernels are compiled for MPICH's 32-bit handles); the
 # collectives and the guard, the parameter server, checkpoints (the writer without MPI-IO),
 # the engine, mpidist.torch and the torch backend; and the main job through the launcher
-MPICH_TESTS=(tests/test_comm.py tests/collectives tests/ps tests/checkpoint tests/engine
+MPICH_TESTS=(tests/test_comm.py tests/test_mpilib.py tests/collectives tests/ps tests/checkpoint tests/engine
              tests/torch tests/torch_backend)
 if [ -n "${MPIDIST_MPICH_VENV:-}" ]; then
   (

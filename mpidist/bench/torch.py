@@ -41,6 +41,9 @@ def _parse(argv):
     p.add_argument("--variants", default=",".join(VARIANTS), help="subset of " + ",".join(VARIANTS))
     p.add_argument("--out", default=None,
                    help="output directory (default results/bench/torch, gpt: .../torch_gpt)")
+    p.add_argument("--threads", default="1", choices=("1", "auto"),
+                   help="threads per rank for torch and Numba: 1 (default), or auto: what "
+                        "mpidist sets by itself under this launcher (mpidist.threads)")
     add_cluster_options(p)
     p.add_argument("--worker", action="store_true", help="measure at the current world size (under mpiexec)")
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -101,9 +104,10 @@ def _worker(args) -> dict:
     from mpi4py import MPI                      # initialises MPI: in the ranks only
     from mpidist.comm import Communicator       # imports mpi4py's MPI
 
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
-    comm = Communicator()
+    comm = Communicator()                       # sets the threads per rank (mpidist.threads)
+    if args.threads == "1":
+        torch.set_num_threads(1)
+        numba.set_num_threads(1)
     x, y, loss_fn = _data(args.model, args.batch, comm.rank)
     steps: dict = {}
     nets: dict = {}                             # variant -> the module it trains
@@ -223,7 +227,8 @@ def _report(rows, args) -> str:
         f"GPT (4 layers, dim 256, {BLOCK}-byte windows)"
     where = f"simulated cluster {args.cluster} at {args.bandwidth}" if args.cluster else "this host"
     lines = [f"{model} ({rows[0]['params'] / 1e6:.1f}M params) on {where}, batch {args.batch}/rank, "
-             f"momentum SGD (torch fused=True unless -fused: mpidist's kernel), one thread per "
+             f"momentum SGD (torch fused=True unless -fused: mpidist's kernel), "
+             f"{'one thread' if args.threads == '1' else 'mpidist default threads'} per "
              f"rank, {args.bucket_mb:g} MB buckets, {args.steps} timed steps, variants shuffled "
              f"each round; medians of the slowest rank",
              "ratio: samples/s over ddp's (plain torch's at 1 rank); compute%: of plain torch's "
@@ -287,5 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     return drive("torch", args, _worker, _report,
                  ["--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
-                  "--algorithm", args.algorithm, "--variants", ",".join(args.variants)],
+                  "--algorithm", args.algorithm, "--variants", ",".join(args.variants),
+                  "--threads", args.threads],
                  check=check)

@@ -146,6 +146,8 @@ def test_bench_and_info_cli(tmp_path):
     assert {r["bytes"] for r in data["rows"]} == {6 << 10}
     res = _run(2, [sys.executable, "-m", "mpidist", "info"], tmp_path)
     assert res.returncode == 0 and "MPI library" in res.stdout, res.stdout + res.stderr
+    from mpidist import mpilib      # the family, the ABI mpi4py was built for, the library file
+    assert re.search(rf"MPI family / ABI +{mpilib.family()} / {re.escape(mpilib.abi())} \(/", res.stdout), res.stdout
     assert re.search(r"allreduce auto +built-in rule \(native up to 256K", res.stdout), res.stdout
 
 

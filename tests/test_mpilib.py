@@ -1,0 +1,37 @@
+"""mpidist.mpilib: which MPI library this process runs in, as everything MPI-specific asks."""
+import os
+
+from mpi4py import MPI
+
+from mpidist import mpilib
+
+
+def test_the_family_version_and_file_are_those_of_the_library_mpi4py_loaded():
+    text = MPI.Get_library_version()
+    fam = mpilib.family()
+    assert fam in ("openmpi", "mpich", "intel", "mvapich", "cray", "other")
+    assert (fam == "openmpi") == ("Open MPI" in text)
+    assert mpilib.version() in text.replace("\x00", "")
+    path = mpilib.path()
+    assert path and os.path.exists(path) and "mpi" in os.path.basename(path).lower()
+    assert mpilib.abi() in ("native", "mpich", "openmpi", "MPI-5 standard")
+    assert mpilib.version() in mpilib.describe()
+
+
+def test_ulfm_switch_is_read_from_the_library_s_own_variable():
+    var = "OMPI_MCA_mpi_ft_enable" if mpilib.family() == "openmpi" else "MPIR_CVAR_ENABLE_FT"
+    assert mpilib.ulfm_switched_on({var: "1"}) is True
+    assert mpilib.ulfm_switched_on({var: "0"}) is False
+    other = "MPIR_CVAR_ENABLE_FT" if var.startswith("OMPI") else "OMPI_MCA_mpi_ft_enable"
+    assert mpilib.ulfm_switched_on({other: "1"}) is False     # another library's switch
+
+
+def test_osc_ucx_is_left_out_only_without_an_rdma_device(monkeypatch, tmp_path):
+    from mpidist import mpienv
+    monkeypatch.setattr(mpienv, "_RDMA", str(tmp_path / "none"))
+    assert mpienv.apply({}) == {"OMPI_MCA_osc": "^ucx"}
+    assert mpienv.apply({"OMPI_MCA_osc": "ucx"}) == {}          # the user's setting stands
+    (tmp_path / "ib").mkdir()
+    (tmp_path / "ib" / "mlx5_0").mkdir()
+    monkeypatch.setattr(mpienv, "_RDMA", str(tmp_path / "ib"))
+    assert mpienv.apply({}) == {}
