@@ -118,7 +118,11 @@ def _rendezvous(comm: MPI.Comm) -> dict:
         local = c.Split_type(MPI.COMM_TYPE_SHARED)
         local_rank = local.Get_rank()
         local.Free()
-        addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
+        # rank 0's MASTER_ADDR where it has one (the interface its site or launcher names),
+        # else loopback on one host, else rank 0's host name
+        addr = c.bcast(os.environ.get("MASTER_ADDR") if c.Get_rank() == 0 else None, root=0)
+        if not addr:
+            addr = "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
         return {"RANK": c.Get_rank(), "WORLD_SIZE": c.Get_size(), "LOCAL_RANK": local_rank,
                 "MASTER_ADDR": addr, "MASTER_PORT": port}
     finally:
