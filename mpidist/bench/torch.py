@@ -104,10 +104,10 @@ def _worker(args) -> dict:
     from mpi4py import MPI                      # initialises MPI: in the ranks only
     from mpidist.comm import Communicator       # imports mpi4py's MPI
 
-    comm = Communicator()                       # sets the threads per rank (mpidist.threads)
-    if args.threads == "1":
-        torch.set_num_threads(1)
+    if args.threads == "1":                     # before the communicator, which otherwise
+        torch.set_num_threads(1)                # sets mpidist's default (mpidist.threads)
         numba.set_num_threads(1)
+    comm = Communicator()
     x, y, loss_fn = _data(args.model, args.batch, comm.rank)
     steps: dict = {}
     nets: dict = {}                             # variant -> the module it trains
