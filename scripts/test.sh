@@ -33,7 +33,7 @@ status=0
 
 run() {  # run LABEL NRANKS PYTEST-ARGS...
   local label=$1 n=$2; shift 2
-  local logdir="$out/$label"; mkdir -p "$logdir"
+  local logdir="$out/$label"; mkdir -p "$logdir" "$(dirname "$out/$label")"
   local cap=$limit; [ "$n" = plain ] && cap=$((limit * 2))   # the plain session runs every launcher test
   echo "=== $label: $n rank(s), limit ${cap}s ==="
   local start=$SECONDS
@@ -70,8 +70,8 @@ if [ -n "${MPIDIST_MPICH_VENV:-}" ]; then
     export NUMBA_CACHE_DIR=$NUMBA_CACHE_DIR-mpich
     python -c 'from mpidist.collectives.ballot import compile_kernels; compile_kernels()' \
       || echo "[test] the guard's ballot did not compile under MPICH" >&2
-    for n in 2 3; do run "mpich-n$n" "$n" "${MPICH_TESTS[@]}" "$@"; done
-    run mpich-job plain tests/engine/test_train_job.py -k main_job "$@"
+    for n in 2 3; do run "mpich/n$n" "$n" "${MPICH_TESTS[@]}" "$@"; done
+    run mpich/job plain tests/engine/test_train_job.py -k main_job "$@"
     exit $status
   ) || status=1
 else
@@ -81,7 +81,7 @@ fi
 python - "$out" <<'PY' || status=1
 import glob, sys, xml.etree.ElementTree as ET
 tot = dict(tests=0, failures=0, errors=0, skipped=0)
-for f in sorted(glob.glob(sys.argv[1] + "/*.xml")):
+for f in sorted(glob.glob(sys.argv[1] + "/**/*.xml", recursive=True)):
     for s in ET.parse(f).getroot().iter("testsuite"):
         for k in tot:
             tot[k] += int(s.get(k, 0))
@@ -99,4 +99,9 @@ python -c 'import jax' 2>/dev/null && installed+=(jax)
 python -c 'import sys; from mpidist.simcluster import unavailable_reason; sys.exit(unavailable_reason() is not None)' 2>/dev/null \
   && installed+=(netns)
 python "$here/scripts/skip_report.py" "$out" --installed "$(IFS=,; echo "${installed[*]}")" || status=1
+# the MPICH stage's venv has the torch extra only
+if [ -d "$out/mpich" ]; then
+  echo "--- the MPICH stage"
+  python "$here/scripts/skip_report.py" "$out/mpich" --installed torch || status=1
+fi
 exit $status
