@@ -20,11 +20,11 @@ import scipy.linalg
 
 from mpidist.collectives import allreduce
 from mpidist.comm import as_communicator
-from mpidist.engine.builders import build_model_from_config, build_optimizer_from_config
-from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.state import StateDict, read_params, replicated_pieces
+from mpidist.strategy.base import Strategy
+from mpidist.strategy.builders import build_model_from_config, build_optimizer_from_config
 
 __all__ = ["Lasso", "LogisticRegression", "ADMMResult", "consensus_admm", "ADMMStrategy",
            "soft_threshold"]

@@ -149,6 +149,74 @@ def test_no_other_cycle_in_mpidist():
     assert all(c in KNOWN for c in found), f"import cycles: {[c for c in found if c not in KNOWN]}"
 
 
+def folder(module: str) -> str:
+    """The folder a module belongs to: its package or top-level module right below mpidist
+    (mpidist.engine.loop -> mpidist.engine, mpidist.admm -> mpidist.admm)."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph(g: dict[str, set[str]]) -> dict[str, dict[str, set[tuple[str, str]]]]:
+    """{folder: {folder it imports: the module imports that make that edge}}; the package
+    mpidist itself, which every module's import loads first, is left out."""
+    out: dict[str, dict[str, set[tuple[str, str]]]] = {}
+    for name, deps in g.items():
+        if name == "mpidist":
+            continue
+        edges = out.setdefault(folder(name), {})
+        for dep in deps:
+            if dep != "mpidist" and folder(dep) != folder(name):
+                edges.setdefault(folder(dep), set()).add((name, dep))
+    return out
+
+
+def test_folder_graph_names_the_imports_behind_an_edge():
+    fg = folder_graph({"mpidist.a.x": {"mpidist.b"}, "mpidist.b": {"mpidist.a.y", "mpidist"},
+                       "mpidist.a.y": set(), "mpidist": {"mpidist.b"}})
+    assert fg == {"mpidist.a": {"mpidist.b": {("mpidist.a.x", "mpidist.b")}},
+                  "mpidist.b": {"mpidist.a": {("mpidist.b", "mpidist.a.y")}}}
+    assert cycles({f: set(e) for f, e in fg.items()}) == [{"mpidist.a", "mpidist.b"}]
+    ring = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}}
+    assert shortest_cycle(ring, "c") == ["a", "b", "c"] and shortest_cycle(ring, "a") == ["a", "b"]
+
+
+def test_no_cycle_between_folders():
+    """The packages and top-level modules of mpidist form layers: counting imports inside
+    functions too, no folder imports one that imports it back, however far round."""
+    fg = folder_graph(graph())
+    g = {f: set(edges) for f, edges in fg.items()}
+    report = []
+    for comp in cycles(g):
+        circles = {tuple(c) for c in (shortest_cycle(g, f) for f in sorted(comp))}
+        for circle in sorted(circles, key=len):
+            report.append(" -> ".join((*circle, circle[0])))
+            for a, b in zip(circle, (*circle[1:], circle[0])):
+                report += [f"    {m} -> {d}" for m, d in sorted(fg[a][b])]
+    assert not report, "import cycles between folders:\n" + "\n".join(report)
+
+
+def shortest_cycle(g: dict[str, set[str]], start: str) -> list[str]:
+    """A shortest path from start back to itself (breadth first), rotated to begin at its
+    least name so that one circle found from each of its members reads the same."""
+    back = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(g.get(v, ())):
+                if w == start:
+                    path = [v]
+                    while back[path[-1]] is not None:
+                        path.append(back[path[-1]])
+                    path.reverse()
+                    i = path.index(min(path))
+                    return path[i:] + path[:i]
+                if w not in back:
+                    back[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return []
+
+
 def _reaching(mods, roots: set[str]) -> set[str]:
     """The in-tree modules whose import loads one of the packages `roots` (at their top
     level, in a package above them, or through another such module)."""

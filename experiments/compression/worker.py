@@ -17,7 +17,7 @@ def bytes_per_step(comm, config_path: str, overrides: dict, compressors) -> dict
     from mpidist.compress.ring import ring_allreduce_bytes
     from mpidist.data.loader import build_datasets
     from mpidist.engine.config import load_config
-    from mpidist.engine.builders import build_model_from_config
+    from mpidist.strategy.builders import build_model_from_config
     from mpidist.flat import Layout
     cfg = load_config(config_path, comm, overrides)
     train, test, meta = build_datasets(cfg, comm)

@@ -126,7 +126,7 @@ def _allreduce(comm, layout, x, steps: int) -> dict:
 
 def _momentum(comm, name: str, opts: dict, x, steps: int, dense: int) -> dict:
     """One 1-bit optimizer step's exchange of x as momentum: worker side (compressed
-    reduce-scatter) and server side (compressed allgather), as mpidist.engine.onebit runs it."""
+    reduce-scatter) and server side (compressed allgather), as mpidist.strategy.onebit runs it."""
     ex = MomentumAllreduce(make_compressor(name, **opts), x.size, comm)
     times, sent = [], 0
     for i in range(steps + 1):               # the first untimed: kernel loading

@@ -17,10 +17,10 @@ import re
 from mpidist.compress import PowerSGD
 from mpidist.compress.sparse import exponential_warmup
 from mpidist.data.loader import build_datasets
-from mpidist.engine.builders import build_model_from_config
 from mpidist.engine.config import load_config
 from mpidist.engine.loop import run as train
 from mpidist.flat import Layout
+from mpidist.strategy.builders import build_model_from_config
 
 __all__ = ["run", "table", "time_to", "fmt", "CONFIGS", "OPTIMIZERS", "FREEZE", "WITHIN"]
 

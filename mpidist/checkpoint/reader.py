@@ -1,7 +1,7 @@
 """The checkpoint reader: opens one file on every rank, verifies it, and serves any slice of
 any tensor to any rank, so a checkpoint written by p ranks loads on q (resharding on read).
 
-It is a load_state_dict source as mpidist.engine.strategy describes: .step, .scalars,
+It is a load_state_dict source as mpidist.strategy.base describes: .step, .scalars,
 .shape(key), .read(key, offset, count).
 """
 from __future__ import annotations

@@ -21,11 +21,11 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
+from mpidist import ulfm
 from mpidist.collectives import ring
 from mpidist.collectives.ops import Op
 from mpidist.collectives.scratch import scratch
 from mpidist.comm import on_free
-from mpidist.ft import ulfm
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "usable", "preferred"]

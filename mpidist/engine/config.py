@@ -17,14 +17,14 @@ import tomllib
 
 from mpidist.collectives.select import load_table
 from mpidist.compress import COMPRESSORS, make_compressor
-from mpidist.engine import onebit
-from mpidist.engine.builders import MODEL_KEYS, build_model_from_config
 from mpidist.engine.schema import SCHEMA, format_schema
 from mpidist.engine.strategies import STRATEGIES
 from mpidist.errors import ConfigError
 from mpidist.flat import Layout
 from mpidist.kernels.backend import gpu_available
 from mpidist.optim import build_optimizer
+from mpidist.strategy import onebit
+from mpidist.strategy.builders import MODEL_KEYS, build_model_from_config
 
 __all__ = ["validate", "load_config", "load_toml", "format_schema", "SCHEMA"]
 
@@ -186,7 +186,7 @@ def _fault_tolerance_errors(cfg: dict, given: set) -> list[str]:
 def _check_optimizer(cfg: dict) -> list[str]:
     """Build the optimizer on a two-tensor layout (its registry and constructor check the
     names), then what it rules out: momentum correction beside its own momentum (SGD, LARS:
-    momentum applied twice), and a 1-bit optimizer's own conditions (engine.onebit)."""
+    momentum applied twice), and a 1-bit optimizer's own conditions (strategy.onebit)."""
     o, p = cfg["optim"], cfg["parallel"]
     if not isinstance(o["hyper"], dict):
         return []

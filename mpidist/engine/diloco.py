@@ -25,12 +25,12 @@ import numpy as np
 
 from mpidist.compress import make_compressor
 from mpidist.diloco import OuterOptimizer, make_groups
-from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.dp import DataParallel
-from mpidist.engine.strategy import Strategy
 from mpidist.kernels.backend import to_numpy
 from mpidist.partition import chunk
 from mpidist.state import StateDict, TensorPiece, read_flat, read_params, replicated_pieces
+from mpidist.strategy.base import Strategy
+from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
 
 __all__ = ["DiLoCo", "LocalSGD"]
 

@@ -22,9 +22,9 @@ from mpi4py import MPI
 from mpidist.collectives import allreduce_async
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
-from mpidist.engine.onebit import OnebitDriver, is_onebit
 from mpidist.flat import FlatBuffer, Layout
 from mpidist.kernels.backend import get_array_module
+from mpidist.strategy.onebit import OnebitDriver, is_onebit
 
 __all__ = ["DistributedOptimizer", "make_buckets"]
 
@@ -131,7 +131,7 @@ class DistributedOptimizer:
 
     def _make_onebit(self):
         """A 1-bit optimizer (mpidist.optim.onebit) sends its own compressed momentum once
-        its warm-up is over: the driver of that exchange (engine.onebit), else None."""
+        its warm-up is over: the driver of that exchange (strategy.onebit), else None."""
         if not is_onebit(self.optimizer):
             return None
         if self.compressed is not None:

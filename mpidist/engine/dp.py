@@ -6,14 +6,14 @@ import time
 
 import numpy as np
 
-from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.engine.distributed import DistributedOptimizer
-from mpidist.engine.builders import build_compression, build_model_from_config, build_optimizer_from_config
-from mpidist.engine.strategy import Strategy
 from mpidist.kernels.backend import cupy
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.partition import chunk
 from mpidist.state import StateDict, read_flat, read_params, replicated_pieces
+from mpidist.strategy.base import Strategy
+from mpidist.strategy.builders import build_compression, build_model_from_config, build_optimizer_from_config
+from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
 
 __all__ = ["DataParallel"]
 

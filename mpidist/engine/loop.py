@@ -1,6 +1,6 @@
 """The training loop: datasets, strategy, epochs of steps, evaluation, metrics, checkpoints, plot.
 
-It is the same for every strategy: the Strategy (engine.strategy) does the parallel work; the
+It is the same for every strategy: the Strategy (strategy.base) does the parallel work; the
 loop feeds each rank its rows of every global batch and records what comes back.
 
 Checkpoints: when [checkpoint] interval > 0, dir is set, or resume = true, the loop makes a
@@ -23,11 +23,11 @@ from tqdm import tqdm
 from mpidist.checkpoint.hook import CheckpointHook
 from mpidist.collectives import flight, select
 from mpidist.data import DistributedSampler, build_datasets, iterate
-from mpidist.engine.metrics import MetricsWriter
 from mpidist.engine.plot import plot_run
 from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError, agree_or_raise, format_failures
 from mpidist.ft.recovery import Resilience
+from mpidist.strategy.metrics import MetricsWriter
 
 __all__ = ["run", "evaluate", "total_steps", "agreed_call", "JobFailed"]
 

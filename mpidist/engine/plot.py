@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.engine.metrics import read_metrics
+from mpidist.strategy.metrics import read_metrics
 
 __all__ = ["plot_run"]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from mpidist.admm import ADMMStrategy
 from mpidist.engine.diloco import DiLoCo, LocalSGD
 from mpidist.engine.dp import DataParallel
-from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.pipeline.strategy import PipelineStrategy
 from mpidist.ps.strategy import ParameterServerStrategy
+from mpidist.strategy.base import Strategy
 from mpidist.zero.strategy import ZeroStrategy
 
 __all__ = ["STRATEGIES", "build_strategy"]

@@ -18,9 +18,9 @@ import traceback
 from mpidist.comm import Communicator
 from mpidist.engine.config import format_schema, load_config
 from mpidist.engine.loop import JobFailed, run
-from mpidist.engine.metrics import setup_logging
 from mpidist.errors import ConfigError
-from mpidist.ft.ulfm import exit_now
+from mpidist.strategy.metrics import setup_logging
+from mpidist.ulfm import exit_now
 
 __all__ = ["main"]
 

@@ -22,10 +22,10 @@ import mpi4py
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.engine.metrics import MetricsWriter, setup_logging
+from mpidist import ulfm
 from mpidist.errors import ConfigError
-from mpidist.ft import ulfm
 from mpidist.state import InMemoryState, replicated_pieces
+from mpidist.strategy.metrics import append_step_if_missing, setup_logging
 
 __all__ = ["Resilience", "SHARD_ROUTES", "ENV_KILL", "replica", "pieces_cover"]
 
@@ -156,18 +156,7 @@ class Resilience:
 
     def _write_unwritten(self) -> None:
         """Append the metrics line of the newest completed step unless the file has it."""
-        path = os.path.join(self._out_dir, "metrics.jsonl")
-        step = self._unwritten["step"]
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(max(0, os.path.getsize(path) - (1 << 16)))
-                tail = fh.read().decode(errors="replace")
-        except OSError:
-            tail = ""
-        if f'"event": "step", "step": {step},' not in tail:
-            writer = MetricsWriter(path, True, append=True)
-            writer.write(self._unwritten)
-            writer.close()
+        append_step_if_missing(os.path.join(self._out_dir, "metrics.jsonl"), self._unwritten)
 
     def _die(self) -> None:
         with open(os.path.join(self._out_dir, f"killed-rank{MPI.COMM_WORLD.Get_rank()}.txt"), "w") as fh:

@@ -7,7 +7,7 @@ schedule on that replica's rows of the global batch; then, in each stage's dp gr
     2. the optimizer updates the stage's parameters (zero = 1: ZeRO stage 1 in the dp
        group: reduce-scatter, the optimizer on my shard, allgather of the shards)
 so one step equals a single-rank step on the same model and global batch. A 1-bit
-optimizer past its warm-up replaces 1 by its momentum exchange (mpidist.engine.onebit).
+optimizer past its warm-up replaces 1 by its momentum exchange (mpidist.strategy.onebit).
 Bad input fails on every rank before training: stages not dividing the world size, more
 (virtual) stages than layers, micro-batches not dividing each replica's rows.
 """
@@ -22,18 +22,18 @@ import numpy as np
 from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce, reduce_scatter
-from mpidist.engine.builders import build_compression, build_model_from_config, build_optimizer_from_config
-from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
-from mpidist.engine.onebit import OnebitDriver, is_onebit
-from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
-from mpidist.pipeline.executor import PipelineExecutor
 from mpidist.pipeline.cuts import measure_layer_costs, stage_bounds
+from mpidist.pipeline.executor import PipelineExecutor
 from mpidist.pipeline.schedules import build_schedule
 from mpidist.pipeline.stage import local_stages, materialize_stages, pipeline_layers
 from mpidist.pipeline.timing import gather_events, plot_timeline
 from mpidist.state import StateDict, flat_pieces, read_flat, read_params, replicated_pieces
+from mpidist.strategy.base import Strategy
+from mpidist.strategy.builders import build_compression, build_model_from_config, build_optimizer_from_config
+from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
+from mpidist.strategy.onebit import OnebitDriver, is_onebit
 
 __all__ = ["PipelineStrategy"]
 

@@ -19,13 +19,13 @@ import time
 
 import numpy as np
 
-from mpidist.engine.builders import build_model_from_config, build_optimizer_from_config
-from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.ps.consistency import Consistency, Straggler, format_histogram
 from mpidist.ps.server import ParameterServer
 from mpidist.state import StateDict, TensorPiece, flat_pieces, read_flat, read_params
+from mpidist.strategy.base import Strategy
+from mpidist.strategy.builders import build_model_from_config, build_optimizer_from_config
 
 __all__ = ["ParameterServerStrategy"]
 

@@ -8,7 +8,7 @@ its shard; on load each rank reads the pieces of its own shard, so a checkpoint 
 any rank count and across data parallel and ZeRO stages 1 and 2. The optimizer's step count
 is a scalar, with the optimizer's small extra state (1-bit LAMB's per-tensor ratios). A
 1-bit optimizer's momentum exchange adds its error feedback residuals and counters
-(mpidist.engine.onebit's keys). A wrapped torch optimizer is not covered: save its
+(mpidist.strategy.onebit's keys). A wrapped torch optimizer is not covered: save its
 state_dict with torch.save.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 During the warm-up (the optimizer's first freeze_step steps) the gradients go through the
 data-parallel or ZeRO-1 exchange as they always do. Once the optimizer is frozen no bucket
 goes out while backward runs; step() hands this rank's whole gradient to the momentum
-exchange of mpidist.engine.onebit (local momentum, compressed reduce-scatter with worker
+exchange of mpidist.strategy.onebit (local momentum, compressed reduce-scatter with worker
 error feedback, server error feedback on each chunk, allgather), as the NumPy data-parallel
 and ZeRO-1 engines do, and the optimizer updates from the averaged momentum. The error
 feedback state is the driver's, kept per buffer range (here one: the whole gradient).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpidist.engine.onebit import OnebitDriver
+from mpidist.strategy.onebit import OnebitDriver
 
 __all__ = ["Onebit"]
 

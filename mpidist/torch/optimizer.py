@@ -25,15 +25,15 @@ import time
 
 import torch
 
+from mpidist import threads
 from mpidist.collectives import select
 from mpidist.collectives.window import SharedBuffer
-from mpidist import threads
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
-from mpidist.engine.onebit import is_onebit
 from mpidist.flat import Layout
 from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.optim import build_optimizer
+from mpidist.strategy.onebit import is_onebit
 from mpidist.torch.buckets import GradientBuckets
 from mpidist.torch.exchange import Allreduce
 from mpidist.torch.onebit import Onebit

@@ -10,7 +10,7 @@
       4. parameters back to all       (stages 1, 2: allgather; stage 3: on demand)
 Shards are chunk() of the flat layout (Layout.shard). Gradients are SUMMED with the loss
 normalised by the global batch, so a step equals the data-parallel step. A 1-bit optimizer
-past its warm-up sends its local momentum in step 2 instead (mpidist.engine.onebit).
+past its warm-up sends its local momentum in step 2 instead (mpidist.strategy.onebit).
 """
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ from mpi4py import MPI
 
 from mpidist.collectives import allgather, allreduce
 from mpidist.comm import as_communicator
-from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
-from mpidist.engine.onebit import OnebitDriver, is_onebit
 from mpidist.flat import Layout
 from mpidist.kernels.backend import get_array_module
 from mpidist.nn.loss import SoftmaxCrossEntropy
 from mpidist.partition import chunk
 from mpidist.state import StateDict, flat_pieces, read_flat, read_params
+from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
+from mpidist.strategy.onebit import OnebitDriver, is_onebit
 from mpidist.zero.exchange import ShardMap
 from mpidist.zero.memory import InFlight, MemoryReport, nbytes
 from mpidist.zero.units import find_units, placeholder

@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 
 from mpidist.compress import COMPRESSORS
-from mpidist.engine.builders import build_compression, build_model_from_config, lr_schedule
-from mpidist.engine.strategy import Strategy
 from mpidist.errors import ConfigError
 from mpidist.optim import build_optimizer
 from mpidist.state import StateDict
+from mpidist.strategy.base import Strategy
+from mpidist.strategy.builders import build_compression, build_model_from_config, lr_schedule
 from mpidist.zero import build_zero, check_stage
 
 __all__ = ["ZeroStrategy"]

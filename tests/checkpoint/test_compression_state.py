@@ -1,4 +1,4 @@
-"""Compression state in checkpoints (mpidist.engine.compression_state): residuals one row per
+"""Compression state in checkpoints (mpidist.strategy.compression_state): residuals one row per
 replica, restored exactly at the same replica count and by the sum rule at another; training
 resumed with top-k / PowerSGD follows the uninterrupted loss curve."""
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mpidist.compress import CompressedAllreduce, make_compressor
-from mpidist.engine.compression_state import (compression_pieces, compression_scalars,
+from mpidist.strategy.compression_state import (compression_pieces, compression_scalars,
                                               restore_compression)
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run

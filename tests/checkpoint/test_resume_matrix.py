@@ -38,9 +38,9 @@ from mpidist.checkpoint.hook import CheckpointHook
 from mpidist.comm import Communicator
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
-from mpidist.engine.metrics import read_metrics
 from mpidist.engine.strategies import build_strategy
 from mpidist.state import gather_state
+from mpidist.strategy.metrics import read_metrics
 
 SAVE_AT, STEPS = 4, 7        # 96 training rows / batch 32 = 3 steps per epoch
 DOUBLE = (0, 2, 3, 1)        # x -> 2x in GF(4) = {0, 1, 2 = t, 3 = t + 1}, t^2 = t + 1

@@ -6,12 +6,12 @@ import os
 import numpy as np
 import pytest
 
+from mpidist import ulfm
 from mpidist.bench import allreduce as bench_allreduce
 from mpidist.collectives import ALGORITHMS, allreduce, flight, select, shm
 from mpidist.collectives.core import prepare_allreduce
 from mpidist.collectives.tuning import explain, tune
 from mpidist.errors import RemoteError
-from mpidist.ft import ulfm
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ from mpidist.comm import Communicator
 from mpidist.diloco import group_colors
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
-from mpidist.engine.metrics import read_metrics
 from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError
 from mpidist.partition import chunk
+from mpidist.strategy.metrics import read_metrics
 
 FEATURES, CLASSES, BATCH = 12, 4, 20
 META = {"kind": "classification", "in_shape": (FEATURES,), "classes": CLASSES}

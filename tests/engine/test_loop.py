@@ -10,7 +10,7 @@ from mpi4py import MPI
 from mpidist.comm import Communicator
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
-from mpidist.engine.metrics import read_metrics
+from mpidist.strategy.metrics import read_metrics
 
 
 def _cfg(out_dir, cache_dir, plot):
@@ -62,7 +62,7 @@ def test_a_setup_failure_on_one_rank_raises_on_every_rank(comm):
 def test_unknown_strategy_is_a_config_error_and_the_schema_lists_every_strategy(comm):
     from mpidist.engine.schema import SCHEMA
     from mpidist.engine.strategies import STRATEGIES, build_strategy
-    from mpidist.engine.strategy import Strategy
+    from mpidist.strategy.base import Strategy
     from mpidist.errors import ConfigError
     cfg = _cfg("/tmp/unused", "/tmp/unused", plot=False)
     cfg["parallel"]["strategy"] = "warp"

@@ -5,9 +5,9 @@ import tomllib
 import pytest
 from mpi4py import MPI
 
+from mpidist import ulfm
 from mpidist.engine.config import validate
 from mpidist.errors import ConfigError
-from mpidist.ft import ulfm
 from mpidist.ft.recovery import Resilience, pieces_cover
 
 MAIN = "jobs/digits_lamb.toml"

@@ -9,12 +9,12 @@ import pytest
 
 from mpidist import launcher
 from mpidist.comm import Communicator
-from mpidist.engine.builders import build_model_from_config
 from mpidist.engine.config import validate
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.pipeline.strategy import PipelineStrategy
 from mpidist.state import gather_state
+from mpidist.strategy.builders import build_model_from_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 META = {"kind": "classification", "in_shape": (6,), "classes": 5}

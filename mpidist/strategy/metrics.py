@@ -9,18 +9,18 @@ import sys
 
 from tqdm import tqdm
 
-__all__ = ["setup_logging", "MetricsWriter", "read_metrics"]
+__all__ = ["setup_logging", "MetricsWriter", "read_metrics", "append_step_if_missing"]
 
 
 class _AboveTheBar(logging.StreamHandler):
-    """Writes each record through tqdm, which clears a live progress bar, prints the line
-    and draws the bar again below it (a plain write would cut through the bar)."""
+    """Writes each record with tqdm's live progress bars cleared first and drawn again
+    below it (a plain write would cut through the bar)."""
 
     def emit(self, record) -> None:
-        try:
-            tqdm.write(self.format(record), file=self.stream)
-        except Exception:             # as logging's own handlers: never raise from a log call
-            self.handleError(record)
+        # the line itself in one write, as StreamHandler does (ranks share the stream: two
+        # writes per line would interleave with the other ranks' lines)
+        with tqdm.external_write_mode(file=self.stream):
+            super().emit(record)
 
 
 def setup_logging(rank: int, size: int, level: int = logging.INFO) -> logging.Logger:
@@ -68,3 +68,20 @@ class MetricsWriter:
 def read_metrics(path: str) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def append_step_if_missing(path: str, record: dict) -> None:
+    """Append a step's metrics line to the file at path unless its tail already has that step.
+
+    After a lost rank 0 the new rank 0 writes the newest completed step's line, which the
+    old one may or may not have written before it died; the file's last 64 KiB decide."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - (1 << 16)))
+            tail = fh.read().decode(errors="replace")
+    except OSError:
+        tail = ""
+    if f'"event": "step", "step": {record["step"]},' not in tail:
+        writer = MetricsWriter(path, True, append=True)
+        writer.write(record)
+        writer.close()

@@ -7,6 +7,12 @@ notice, and revoking a communicator makes every pending and later operation on i
 MPI_ERR_REVOKED everywhere, so no survivor stays blocked waiting for a live rank that left
 the collective. Shrink() then gives the survivors' communicator, agreed among them.
 
+ULFM counts as active where the launcher switched it on (mpilib.ulfm_switched_on: Open
+MPI's or MPICH's variable) and mpi4py has the API (Comm.Shrink and the failure error
+classes), so MPICH's ULFM counts as Open MPI's does. This module sits beside comm.py, below
+the collectives, which ask it whether ULFM is active; the recovery protocol (mpidist.ft)
+uses it from above.
+
 What ULFM does not cover: one-sided RMA (shared-memory windows, the parameter server) and
 MPI-IO, so in FT mode `auto` never picks the `shm` allreduce and checkpoints take the
 writer without MPI-IO.

@@ -8,7 +8,7 @@ gradient is sent; per step (OnebitDriver):
     3. server side     each owner averages and compresses its chunk (server error feedback);
                        every rank gathers the average whole (mpidist.compress.momentum: 2, 3)
     4. the update      the optimizer's step on its range of that average
-Checkpoints hold the worker residuals (engine.compression_state's rule), the server
+Checkpoints hold the worker residuals (strategy.compression_state's rule), the server
 residuals (compress/server_residual/<tensor>) and the counters; the phase is the
 optimizer's step count, so a resume does not restart the warm-up.
 """
@@ -18,10 +18,10 @@ import numpy as np
 
 from mpidist.compress import MomentumAllreduce, make_compressor
 from mpidist.compress.momentum import allgather_shards, check_momentum_compressor
-from mpidist.engine.compression_state import compression_pieces, compression_scalars, restore_compression
 from mpidist.kernels.backend import get_array_module
 from mpidist.optim.base import StepInfo
 from mpidist.state import flat_pieces, read_flat
+from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
 
 __all__ = ["OnebitDriver", "SERVER_RESIDUAL", "is_onebit", "config_errors"]
 
@@ -127,7 +127,7 @@ class OnebitDriver:
 
     def restore(self, source, buckets, replica: int, replicas: int) -> None:
         """Load the exchange's state for the worker ranges `buckets` ([(offset, count)]):
-        worker residuals by engine.compression_state's rule, my chunk of the server residual
+        worker residuals by strategy.compression_state's rule, my chunk of the server residual
         (any writer world size), counters; zeros where the checkpoint has none."""
         ex = self.ex
         restore_compression(ex.worker, source, self.layout, buckets, replica, replicas)
