@@ -14,7 +14,7 @@ from mpidist.collectives.arrays import accept_arrays
 from mpidist.collectives.ops import (accumulator_dtype, check_dtype, dtype_name, get_op, narrow,
                                      widen)
 from mpidist.collectives.registry import ALGORITHMS, get_algorithm
-from mpidist.collectives.scratch import same_view, scratch
+from mpidist.collectives.workspace import same_view, scratch
 from mpidist.comm import as_communicator
 from mpidist.kernels.backend import get_array_module, is_cupy
 from mpidist.partition import chunk, counts_displs

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from mpidist.collectives.ops import Op
-from mpidist.collectives.scratch import same_view
+from mpidist.collectives.workspace import same_view
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.recursive_doubling import fold, real_rank
-from mpidist.collectives.scratch import same_view, scratch
+from mpidist.collectives.workspace import same_view, scratch
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce"]

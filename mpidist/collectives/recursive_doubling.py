@@ -13,7 +13,7 @@ Cost: (ceil(log2 p) + 2 [p not a power of 2]) (alpha + n beta) + ceil(log2 p) n 
 from __future__ import annotations
 
 from mpidist.collectives.ops import Op, reduce_into
-from mpidist.collectives.scratch import same_view, scratch
+from mpidist.collectives.workspace import same_view, scratch
 
 __all__ = ["allreduce", "fold"]
 

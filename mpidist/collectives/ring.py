@@ -23,7 +23,7 @@ import os
 from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
-from mpidist.collectives.scratch import same_view, scratch
+from mpidist.collectives.workspace import same_view, scratch
 from mpidist.collectives.waits import sendrecv, wait, waitall
 from mpidist.partition import counts_displs
 

@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpidist import ulfm
 from mpidist.collectives import ring
 from mpidist.collectives.ops import Op
-from mpidist.collectives.scratch import scratch
+from mpidist.collectives.workspace import scratch
 from mpidist.comm import on_free
 from mpidist.partition import counts_displs
 

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.ring import segment_bytes, segments
-from mpidist.collectives.scratch import same_view, scratch
+from mpidist.collectives.workspace import same_view, scratch
 
 __all__ = ["allreduce", "Tree", "binomial_tree", "tree_allreduce"]
 

@@ -1,4 +1,4 @@
-"""Preallocated scratch buffers, reused across calls so a collective allocates nothing
+"""Preallocated work buffers, reused across calls so a collective allocates nothing
 in steady state. One set per communicator (the async worker has its own communicator,
 so it never shares a buffer with the caller's thread), each buffer named by its owner
 ("ring.work.0", "tree.up.0.1", ...): two algorithms that run inside one call (the
