@@ -13,27 +13,20 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import random
-import signal
-import threading
 import time
 
 import mpi4py
 import numpy as np
-from mpi4py import MPI
 
 from mpidist import ulfm
 from mpidist.errors import ConfigError
+from mpidist.ft.inject import KillPlan
 from mpidist.state import InMemoryState, replicated_pieces
 from mpidist.strategy.metrics import append_step_if_missing, setup_logging
 
-__all__ = ["Resilience", "SHARD_ROUTES", "ENV_KILL", "replica", "pieces_cover"]
+__all__ = ["Resilience", "SHARD_ROUTES", "replica", "pieces_cover"]
 
 SHARD_ROUTES = ("neighbour", "checkpoint")
-# Fault injection for the tests and `mpidist bench ft`: "RANK@STEP,...": the rank (of the job
-# at start) SIGKILLs itself 0-50 ms into the step after STEP ("RANK@recovery": in its first
-# recovery, once shrunk), first writing the time to <out_dir>/killed-rank<RANK>.txt.
-ENV_KILL = "MPIDIST_FT_KILL"
 log = logging.getLogger("mpidist")
 
 
@@ -92,7 +85,7 @@ class Resilience:
         self._out_dir = config["job"]["out_dir"]
         self._record = None        # the metrics record of this rank's newest completed step
         self._unwritten = None     # that of the newest step a survivor completed, for rank 0
-        self._kill_after = _planned_kills(os.environ.get(ENV_KILL, ""), MPI.COMM_WORLD.Get_rank())
+        self._kills = KillPlan(self._out_dir)      # the tests' planned kills (ft.inject)
 
     # ------------------------------------------------------------------ the loop's calls
     def run(self, body, config: dict, *args) -> dict:
@@ -138,8 +131,7 @@ class Resilience:
         """After every completed step (record: its metrics line): keep this step's shard (zero,
         neighbour route) and close the record of a recovery at its first completed step."""
         self._record = record
-        if strategy.step in self._kill_after:
-            threading.Timer(random.Random(strategy.step).uniform(0, 0.05), self._die).start()
+        self._kills.after_step(strategy.step)
         if self.route == "neighbour":
             self._snapshot(strategy)
         if self._pending is not None:
@@ -158,11 +150,6 @@ class Resilience:
         """Append the metrics line of the newest completed step unless the file has it."""
         append_step_if_missing(os.path.join(self._out_dir, "metrics.jsonl"), self._unwritten)
 
-    def _die(self) -> None:
-        with open(os.path.join(self._out_dir, f"killed-rank{MPI.COMM_WORLD.Get_rank()}.txt"), "w") as fh:
-            fh.write(f"{time.time()}\n")
-        os.kill(os.getpid(), signal.SIGKILL)
-
     # ------------------------------------------------------------------ recovery
     def _recover(self, t_fail: float) -> None:
         """Shrink (again, if another rank fails meanwhile) and agree on the state to load."""
@@ -172,8 +159,7 @@ class Resilience:
         while True:
             self.comm, gone = ulfm.shrink(self.comm)
             lost += gone
-            if "recovery" in self._kill_after:
-                self._die()
+            self._kills.in_recovery()
             setup_logging(self.comm.rank, self.comm.size)
             try:
                 completed = max(self.comm.comm.allgather(completed))
@@ -253,17 +239,6 @@ class Resilience:
                     full[off:off + data.size] = data
                     shapes[key] = shape
         return InMemoryState(best, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, scalars)
-
-
-def _planned_kills(spec: str, rank: int) -> set:
-    """The steps after which `rank` kills itself (and "recovery"), from ENV_KILL's "RANK@STEP,..."."""
-    try:
-        plan = [(int(r), w if w == "recovery" else int(w))
-                for r, w in (item.split("@") for item in spec.replace(" ", "").split(",") if item)]
-    except ValueError:
-        raise ConfigError(f"{ENV_KILL} must look like 'RANK@STEP,...' (STEP a number or "
-                          f"'recovery'), got {spec!r}") from None
-    return {when for r, when in plan if r == rank}
 
 
 def pieces_cover(indexes: list[dict]) -> bool:

@@ -77,3 +77,13 @@ def test_pieces_cover_every_tensor_whole():
     assert pieces_cover([a, {"params/w": ((4, 3), 4, 8)}])         # overlapping copies
     assert not pieces_cover([a, {"params/w": ((4, 3), 7, 5)}])     # a gap at element 6
     assert not pieces_cover([])
+
+
+def test_planned_kills_are_read_per_rank_and_a_bad_plan_is_refused():
+    from mpidist.errors import ConfigError
+    from mpidist.ft.inject import ENV_KILL, KillPlan, parse
+    assert parse("0@12, 2@recovery,0@30", 0) == {12, 30}
+    assert parse("0@12,2@recovery", 2) == {"recovery"}
+    assert parse("", 1) == set() and KillPlan("/tmp", spec="3@5", rank=1).when == set()
+    with pytest.raises(ConfigError, match=ENV_KILL):
+        parse("rank1@5", 1)
