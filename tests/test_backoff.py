@@ -1,4 +1,6 @@
 """Backoff: spin, then sleep doubling to a cap; False once past the deadline."""
+import types
+
 import pytest
 
 from mpidist import backoff
@@ -7,15 +9,17 @@ from mpidist.backoff import Backoff
 
 @pytest.fixture
 def clock(monkeypatch):
-    """A fake clock: time.sleep advances it and records each nap."""
+    """A fake clock: its sleep advances it and records each nap. It replaces the module
+    backoff sees as `time`, not the time module itself, whose sleep other threads of the
+    process (workers, watchdogs) keep calling meanwhile."""
     state = {"now": 100.0, "naps": []}
 
     def sleep(seconds):
         state["naps"].append(seconds)
         state["now"] += seconds
 
-    monkeypatch.setattr(backoff.time, "sleep", sleep)
-    monkeypatch.setattr(backoff.time, "perf_counter", lambda: state["now"])
+    monkeypatch.setattr(backoff, "time", types.SimpleNamespace(
+        sleep=sleep, perf_counter=lambda: state["now"]))
     return state
 
 
