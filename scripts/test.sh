@@ -33,7 +33,7 @@ status=0
 
 run() {  # run LABEL NRANKS PYTEST-ARGS...
   local label=$1 n=$2; shift 2
-  local logdir="$out/$label"; mkdir -p "$logdir" "$(dirname "$out/$label")"
+  local logdir="$out/$label"; mkdir -p "$logdir"
   local cap=$limit; [ "$n" = plain ] && cap=$((limit * 2))   # the plain session runs every launcher test
   echo "=== $label: $n rank(s), limit ${cap}s ==="
   local start=$SECONDS

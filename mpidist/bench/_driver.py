@@ -73,7 +73,6 @@ def drive(name: str, args, worker, report, worker_args: list[str], check=None) -
     cluster = getattr(args, "cluster", None)
     for n in [cluster] if cluster else [int(r) for r in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
-            os.chmod(tmp, 0o755)
             path = os.path.join(tmp, "result.json")
             argv = [sys.executable, "-m", "mpidist", "bench", name, "--worker", "--json", path,
                     *worker_args]

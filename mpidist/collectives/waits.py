@@ -43,12 +43,7 @@ def waitall(requests) -> None:
 
 def wait(request) -> None:
     """Complete one request (as waitall)."""
-    if not is_patient():
-        request.Wait()
-        return
-    pause = Backoff()
-    while not request.Test():
-        pause()
+    waitall([request])
 
 
 def sendrecv(mpi, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:

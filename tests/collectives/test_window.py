@@ -31,11 +31,12 @@ def test_ranges_sum_in_place_with_the_same_bits(comm, dtype):
     buf.free()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_reductions_are_on_the_flight_record(comm):
     """The watchdog sees a SharedBuffer reduction that never completes: each is recorded."""
     from mpidist.collectives import flight
     if not SharedBuffer.usable(comm, np.float32):
-        pytest.skip("needs several ranks on one node")
+        pytest.skip("its ranks are on several nodes (the window is one node's)")
     buf = SharedBuffer(64, np.float32, comm)
     buf.allreduce_async(0, 64).wait()
     buf.fence()
@@ -45,11 +46,12 @@ def test_reductions_are_on_the_flight_record(comm):
     buf.free()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_own_values_replace_my_chunk_and_nonfinite_sums_are_counted(comm):
     """Values passed as `own` stand for this rank's chunk (the slice there is not read); an
     Inf or NaN anywhere, on any rank, is counted once per chunk, alike on every rank."""
     if not SharedBuffer.usable(comm, np.float32):
-        pytest.skip("needs several ranks on one node")
+        pytest.skip("its ranks are on several nodes (the window is one node's)")
     n = 10_007
     buf = SharedBuffer(n, np.float32, comm)
     rng = np.random.default_rng(comm.rank)

@@ -34,6 +34,17 @@ def mine(t, comm):
     return t[PER_RANK * comm.rank:PER_RANK * (comm.rank + 1)]
 
 
+def train_step(comm, step, reference, distributed):
+    """One step of (optimizer, model) pairs: the reference as one process on the global
+    batch, the distributed one on this rank's share of it; returns the global batch."""
+    x, y = data(step, comm.size)
+    for (o, m), xs, ys in ((reference, x, y), (distributed, mine(x, comm), mine(y, comm))):
+        o.zero_grad()
+        F.cross_entropy(m(xs), ys).backward()
+        o.step()
+    return x, y
+
+
 def assert_close(a, b, rtol=1e-5):
     a, b = a.detach().double(), b.detach().double()
     assert float((a - b).abs().max()) <= rtol * max(1e-3, float(b.abs().max())), (a, b)
@@ -63,11 +74,7 @@ def test_schedulers_drive_the_update(comm, name, fused):
     assert isinstance(opt, torch.optim.Optimizer)
     rs, s = SCHEDULERS[name](ropt), SCHEDULERS[name](opt)
     for step in range(4):
-        x, y = data(step, comm.size)
-        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
-            o.zero_grad()
-            F.cross_entropy(m(xs), ys).backward()
-            o.step()
+        train_step(comm, step, (ropt, ref), (opt, model))
         loss = float(step % 2)             # a plateau for ReduceLROnPlateau
         rs.step(loss) if name == "ReduceLROnPlateau" else rs.step()
         s.step(loss) if name == "ReduceLROnPlateau" else s.step()
@@ -96,11 +103,7 @@ def test_param_group_writes_reach_the_fused_kernels(comm):
             for k in which:
                 o.param_groups[k].update(write)
         before = [p.detach().clone() for p in model.parameters()]
-        x, y = data(step, comm.size)
-        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
-            o.zero_grad()
-            F.cross_entropy(m(xs), ys).backward()
-            o.step()
+        train_step(comm, step, (ropt, ref), (opt, model))
         for p, q in zip(model.parameters(), ref.parameters()):
             assert_close(p, q)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))   # lr 0
@@ -208,11 +211,7 @@ def test_autocast_bf16_and_compile(comm):
     copt = mt.DistributedOptimizer(compiled_model, "sgd", lr=0.1, comm=comm)
     run = torch.compile(compiled_model)
     for step in range(2):
-        x, y = data(step, comm.size)
-        for o, m, xs, ys in ((eopt, eager, x, y), (copt, run, mine(x, comm), mine(y, comm))):
-            o.zero_grad()
-            F.cross_entropy(m(xs), ys).backward()
-            o.step()
+        train_step(comm, step, (eopt, eager), (copt, run))
     for p, q in zip(compiled_model.parameters(), eager.parameters()):
         assert_close(p, q)
     opt.close()
