@@ -11,18 +11,6 @@ from experiments.architectures.overlap import overlap
 from experiments.architectures.p2p import p2p_allreduce
 
 
-def _sub(world, members: int):
-    """The first `members` ranks of `world` as a Communicator (None on the others)."""
-    from mpi4py import MPI
-    from mpidist.comm import Communicator
-    mpi = world.comm.Split(0 if world.rank < members else MPI.UNDEFINED, world.rank)
-    if mpi == MPI.COMM_NULL:
-        return None
-    sub = Communicator(mpi)
-    mpi.Free()
-    return sub
-
-
 def _measure(world, subs, variant: str, members: int, servers: int, n: int, iters: int):
     """(seconds per step on the slowest rank, [tx, rx] per step of every world rank's NIC)."""
     from mpi4py import MPI
@@ -73,6 +61,7 @@ def _measure(world, subs, variant: str, members: int, servers: int, n: int, iter
 def main(spec: str) -> None:
     """Run the phase that `spec` ("phase=A,workers=4,n=...,iters=...,rounds=...,probe_s=...")
     names on COMM_WORLD's ranks."""
+    from mpidist.bench.ps import first_ranks
     from mpidist.comm import Communicator
     probe, round_order = common.costmodel().probe, common.costmodel().round_order
     w = dict(kv.split("=") for kv in spec.split(","))
@@ -90,7 +79,7 @@ def main(spec: str) -> None:
                  for v, s in (("ps", 1), ("ps", 2), ("p2p", 0), ("ring", 0))]
     else:
         cases = [(v, world.size, 0, world.size) for v in ("ring", "hierarchical", "p2p", "native")]
-    subs = {m: _sub(world, m) for m in sorted({c[3] for c in cases})}
+    subs = {m: first_ranks(world, m) for m in sorted({c[3] for c in cases})}
     samples = {i: [] for i in range(len(cases))}
     nics = {i: [] for i in range(len(cases))}
     for r in range(rounds):                        # interleaved, shuffled the same everywhere

@@ -20,7 +20,7 @@ from mpidist.collectives import allreduce
 from mpidist.comm import Communicator, default_communicator, mpi_library
 from mpidist.ps import ParameterServer, Straggler
 
-__all__ = ["main"]
+__all__ = ["main", "first_ranks"]
 
 
 def _parse(argv):
@@ -162,8 +162,8 @@ def _slowest(comm: MPI.Comm, value: float | None) -> float:
     return max(v for v in comm.allgather(value) if v is not None)
 
 
-def _sub(world, members: int):
-    """A Communicator over world ranks [0, members) (None elsewhere); collective on world."""
+def first_ranks(world, members: int):
+    """Collective on world: a Communicator over its ranks [0, members), None on the others."""
     mpi = world.comm.Split(0 if world.rank < members else MPI.UNDEFINED, world.rank)
     if mpi == MPI.COMM_NULL:
         return None
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             if members > P or (name == "ps_S" and args.servers == 1):
                 row[name] = None
                 continue
-            sub = _sub(world, members)
+            sub = first_ranks(world, members)
             t = None
             if sub is not None:
                 t = _ring_loop(sub, n, args.iters) if name == "ring" else \
