@@ -133,19 +133,24 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "zero": _f(int, 0, "pipeline: 1 = ZeRO stage 1 within each stage's data-parallel group",
                    choices=(0, 1)),
         "consistency": _f(str, "bsp", "ps: bsp | ssp | asp", choices=CONSISTENCY_MODELS),
-        "servers": _f(int, 1, "ps: number of server ranks", **_pos),
+        "servers": _f(int, 1, "ps, diloco_async: number of server ranks", **_pos),
         "staleness": _f(int, 0, "ps/ssp: bound on worker clock skew", **_nonneg),
-        "straggler": _f((int, float), 0.0, "ps: seconds of delay injected per step on the slow worker "
-                        "(straggler_mode says which)", **_nonneg),
-        "straggler_mode": _f(str, "fixed", "ps: the slow worker: fixed = the last worker at every step; "
-                             "random = one worker per step, drawn from the job seed and the step",
+        "straggler": _f((int, float), 0.0, "ps, diloco_async: seconds of delay injected per step on the "
+                        "slow worker or group (straggler_mode says which)", **_nonneg),
+        "straggler_mode": _f(str, "fixed", "ps, diloco_async: the slow worker (group): fixed = the last "
+                             "one at every step; random = one per step, drawn from the job seed "
+                             "and the step",
                              choices=("fixed", "random")),
         "rho": _f((int, float), 1.0, "admm: penalty parameter", **_pos),
-        "group_size": _f(int, 0, "diloco/local_sgd: ranks per group (data parallel inside, outer "
-                         "steps across); 0 = one group per node", **_nonneg),
-        "sync_every": _f(int, 100, "diloco/local_sgd: inner steps between outer steps (H)", **_pos),
-        "outer_lr": _f((int, float), 0.7, "diloco: outer learning rate", **_pos),
-        "outer_momentum": _f((int, float), 0.9, "diloco: outer Nesterov momentum (0 = plain SGD)", **_prob),
+        "group_size": _f(int, 0, "diloco/local_sgd/diloco_async: ranks per group (data parallel "
+                         "inside, outer steps across); 0 = one group per node", **_nonneg),
+        "sync_every": _f(int, 100, "diloco/local_sgd/diloco_async: inner steps between outer steps "
+                         "(H)", **_pos),
+        "outer_lr": _f((int, float), 0.7, "diloco, diloco_async: outer learning rate", **_pos),
+        "outer_momentum": _f((int, float), 0.9, "diloco, diloco_async: outer Nesterov momentum (0 = "
+                              "plain SGD)", **_prob),
+        "outer_delay": _f(int, 0, "diloco_async: pushes per delayed Nesterov momentum step (0 = "
+                          "the number of groups)", **_nonneg),
         "outer_compression": _f(str, "none", "diloco/local_sgd: compressor of the exchange between "
                                 "groups (fp16, bf16, sign, ... of mpidist.compress), or none"),
         "outer_compression_options": _f(dict, {}, "diloco/local_sgd: options of the outer compressor"),

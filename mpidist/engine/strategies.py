@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from mpidist.admm import ADMMStrategy
 from mpidist.engine.diloco import DiLoCo, LocalSGD
+from mpidist.engine.diloco_async import AsyncDiLoCo
 from mpidist.engine.dp import DataParallel
 from mpidist.errors import ConfigError
 from mpidist.pipeline.strategy import PipelineStrategy
@@ -18,7 +19,7 @@ __all__ = ["STRATEGIES", "build_strategy"]
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (DataParallel, ZeroStrategy, PipelineStrategy, ParameterServerStrategy,
-                              ADMMStrategy, DiLoCo, LocalSGD)}
+                              ADMMStrategy, DiLoCo, LocalSGD, AsyncDiLoCo)}
 
 
 def build_strategy(config: dict, comm, meta: dict) -> Strategy:

@@ -20,7 +20,7 @@ from mpidist.ps.shard import ServerStats, ShardServer, SumUpdate
 from mpidist.ps.windows import MPI_DTYPES, PAUSE, Windows
 from mpidist.ps.worker import Worker
 
-__all__ = ["ParameterServer", "place_servers"]
+__all__ = ["ParameterServer", "place_servers", "servers_error"]
 
 
 def place_servers(nodes: list[int], servers: int) -> list[int]:
@@ -44,6 +44,13 @@ def place_servers(nodes: list[int], servers: int) -> list[int]:
             if stacks[node] and len(chosen) < servers:
                 chosen.append(stacks[node].pop())
     return sorted(chosen)
+
+
+def servers_error(servers: int, world_size: int | None) -> list[str]:
+    """A job config's [parallel] servers against its world size: [] or the one message."""
+    if world_size is None or servers < world_size:
+        return []
+    return [f"[parallel] servers = {servers} leaves no worker among {world_size} ranks"]
 
 
 class ParameterServer:

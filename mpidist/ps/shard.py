@@ -49,7 +49,8 @@ class ShardServer:
        later pushes to the other accumulation slot and returns the closed epoch's tickets;
     2. wait until the closed slot's DONE counter equals the tickets it had (bounded wait);
     3. drain: copy the slot's gradient sum and per-worker counts, zero them;
-    4. apply the optimizer to the shard (gradient sum / W when averaging);
+    4. apply the optimizer to the shard (gradient sum / W when averaging; an optimizer that
+       sets counts_pushes gets the sum and the number of pushes it holds);
     5. publish: WRITING = v + 1, write parameter buffer (v + 1) & 1, VERSION = v + 1, then
        add the counts to APPLIED (the SSP clocks), so pushes seen applied are in VERSION.
     A push takes exactly one ticket and so lands in exactly one drained slot: no update is
@@ -143,7 +144,10 @@ class ShardServer:
         t0 = time.perf_counter()
         if self.average:
             self._grad /= self.workers
-        self.optimizer.step(self.params, self._grad)
+        if getattr(self.optimizer, "counts_pushes", False):
+            self.optimizer.step(self.params, self._grad, pushes=entries)
+        else:
+            self.optimizer.step(self.params, self._grad)
         self.stats.apply_time += time.perf_counter() - t0
         # 5. publish the new version (seqlock: WRITING first, VERSION last); under BSP the
         #    first server fixes a requested pause at this version before publishing it

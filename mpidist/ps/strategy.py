@@ -22,7 +22,7 @@ import numpy as np
 from mpidist.errors import ConfigError
 from mpidist.nn import SoftmaxCrossEntropy, materialize
 from mpidist.ps.consistency import Consistency, Straggler, format_histogram
-from mpidist.ps.server import ParameterServer
+from mpidist.ps.server import ParameterServer, servers_error
 from mpidist.state import StateDict, TensorPiece, flat_pieces, read_flat, read_params
 from mpidist.strategy.base import Strategy
 from mpidist.strategy.builders import build_model_from_config, build_optimizer_from_config
@@ -63,11 +63,7 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def config_errors(cls, parallel: dict, world_size: int | None = None) -> list[str]:
-        errors = super().config_errors(parallel, world_size)
-        if world_size is not None and parallel["servers"] >= world_size:
-            errors.append(f"[parallel] servers = {parallel['servers']} leaves no worker among "
-                          f"{world_size} ranks")
-        return errors
+        return super().config_errors(parallel, world_size) + servers_error(parallel["servers"], world_size)
 
     def __init__(self, config: dict, comm, meta: dict, *, timeout: float = 300.0):
         super().__init__(config, comm, meta)

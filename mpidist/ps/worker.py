@@ -189,6 +189,16 @@ class Worker:
         applied = self.wins.read_words(self.servers[0], self.layout.applied, self.workers)
         return int(applied.sum()) // self.workers
 
+    def wait_applied(self) -> None:
+        """Wait until every server has applied all my pushes (the next pull holds them);
+        only the servers are waited for, never the other workers."""
+        start = time.monotonic()
+        backoff = TimedWait(self.timeout, "the servers to apply this worker's pushes")
+        while any(a[self.index] < self.clock for a in self._read_counts()[0]):
+            check_abort(self.wins)
+            backoff.wait()
+        self.record.wait_time += time.monotonic() - start
+
     def pull_final(self, out: np.ndarray | None = None) -> np.ndarray:
         """After finish(): wait until every worker has finished and every push is applied,
         then pull the final parameters (identical on every worker)."""

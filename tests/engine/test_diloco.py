@@ -17,25 +17,7 @@ from mpidist.errors import ConfigError
 from mpidist.partition import chunk
 from mpidist.strategy.metrics import read_metrics
 
-FEATURES, CLASSES, BATCH = 12, 4, 20
-META = {"kind": "classification", "in_shape": (FEATURES,), "classes": CLASSES}
-
-
-def _config(strategy: str, optim: dict, steps: int, **parallel) -> dict:
-    cfg = validate({"job": {"steps": steps, "progress": False, "plot": False, "seed": 3},
-                    "model": {"name": "mlp", "hidden": [16]},
-                    "data": {"dataset": "synthetic", "features": FEATURES, "classes": CLASSES},
-                    "optim": optim, "parallel": {"strategy": strategy, "algorithm": "ring", **parallel}},
-                   name="diloco")
-    cfg["job"]["total_steps"] = steps
-    return cfg
-
-
-def _batches(steps: int):
-    """The same global batches on every rank."""
-    rng = np.random.default_rng(11)
-    return [(rng.standard_normal((BATCH, FEATURES)).astype(np.float32),
-             rng.integers(0, CLASSES, BATCH)) for _ in range(steps)]
+from .diloco_case import BATCH, META, batches, config, loop_config
 
 
 def _agree(comm, ok: bool) -> bool:
@@ -53,14 +35,14 @@ def test_groups_are_nodes_or_runs_of_group_size():
 def test_one_inner_step_with_outer_sgd_lr_1_is_data_parallel(comm, momentum):
     """H = 1, outer lr 1, no outer momentum: sum_g w_g (theta - theta_g) = lr * the global
     mean gradient, so every step is the dp step (inner SGD, with momentum too)."""
-    steps, batches = 6, _batches(6)
+    steps, data = 6, batches(6)
     optim = {"name": "sgd", "lr": 0.1, "hyper": {"momentum": momentum, "weight_decay": 1e-4}}
-    dl = build_strategy(_config("diloco", optim, steps, group_size=2, sync_every=1, outer_lr=1.0,
+    dl = build_strategy(config("diloco", optim, steps, group_size=2, sync_every=1, outer_lr=1.0,
                                 outer_momentum=0.0), comm, META)
-    dp = build_strategy(_config("dp", optim, steps), comm, META)
+    dp = build_strategy(config("dp", optim, steps), comm, META)
     lo, n = chunk(BATCH, comm.rank, comm.size)
     losses = []
-    for x, y in batches:
+    for x, y in data:
         a = dl.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
         b = dp.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
         losses.append((a["loss"], b["loss"]))
@@ -78,17 +60,17 @@ def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm):
     the groups' average weighted by their rows, and the groups go on from it."""
     steps, sync = 7, 3
     optim = {"name": "adamw", "lr": 0.01, "hyper": {"weight_decay": 0.01}}
-    cfg = _config("local_sgd", optim, steps, group_size=2, sync_every=sync)
+    cfg = config("local_sgd", optim, steps, group_size=2, sync_every=sync)
     ls = build_strategy(cfg, comm, META)
     colors = group_colors([0] * comm.size, 2)
     groups = max(colors) + 1
     rows = [[r for r in range(comm.size) if colors[r] == g] for g in range(groups)]
     spans = [(chunk(BATCH, rs[0], comm.size)[0], sum(chunk(BATCH, r, comm.size)[1] for r in rs)) for rs in rows]
     self_comm = Communicator(MPI.COMM_SELF)
-    refs = [build_strategy(_config("dp", optim, steps), self_comm, META) for _ in range(groups)]
+    refs = [build_strategy(config("dp", optim, steps), self_comm, META) for _ in range(groups)]
     lo, n = chunk(BATCH, comm.rank, comm.size)
     worst = 0.0
-    for step, (x, y) in enumerate(_batches(steps), start=1):
+    for step, (x, y) in enumerate(batches(steps), start=1):
         m = ls.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
         for ref, (a, k) in zip(refs, spans):
             ref.train_step(x[a:a + k], y[a:a + k], global_count=k)
@@ -109,31 +91,17 @@ def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm):
     ls.close()
 
 
-def _loop_config(shared_dir, name, resume, **parallel):
-    return validate({"job": {"steps": 11, "eval_every": 0, "progress": False, "plot": False, "seed": 4,
-                             "out_dir": os.path.join(shared_dir, name)},
-                     "model": {"name": "mlp", "hidden": [16]},
-                     "data": {"dataset": "synthetic", "samples": 300, "features": FEATURES,
-                              "classes": CLASSES, "batch_size": BATCH,
-                              "cache_dir": os.path.join(shared_dir, "data")},
-                     "optim": {"name": "adamw", "lr": 0.01, "hyper": {"weight_decay": 0.01}},
-                     "parallel": {"strategy": "diloco", "algorithm": "ring", "group_size": 2,
-                                  "sync_every": 4, **parallel},
-                     "checkpoint": {"interval": 6, "dir": os.path.join(shared_dir, "ckpt"),
-                                    "resume": resume}}, name=name)
-
-
 @pytest.mark.parametrize("outer", [{}, {"outer_compression": "sign"}])
 def test_a_checkpoint_written_mid_round_resumes_the_same_trajectory(comm, shared_dir, outer):
     """The straight run saves at step 6 (two steps into the second round of 4) and 11; from
     step 6 the resumed run gives the same losses and final model, so theta_outer, the outer
     momentum, each group's inner parameters and AdamW moments, the round's sample counts
     and the outer exchange's residuals all carried over."""
-    straight = run(_loop_config(shared_dir, "straight", False, **outer), comm)
+    straight = run(loop_config(shared_dir, "straight", False, **outer), comm)
     if comm.rank == 0:
         os.remove(os.path.join(shared_dir, "ckpt", "ckpt-00000011.h5"))
     comm.comm.Barrier()
-    resumed = run(_loop_config(shared_dir, "resumed", True, **outer), comm)
+    resumed = run(loop_config(shared_dir, "resumed", True, **outer), comm)
     if comm.rank == 0:
         a, b = (read_metrics(os.path.join(shared_dir, n, "metrics.jsonl")) for n in ("resumed", "straight"))
         assert [r["step"] for r in a if r["event"] == "step"] == list(range(7, 12))
@@ -146,11 +114,11 @@ def test_outer_nesterov_moves_theta_outer_past_the_average(comm):
     """DiLoCo's outer step with momentum differs from averaging from the second sync on
     (the first Nesterov step is lr * (1 + momentum) * delta), and every rank agrees."""
     optim = {"name": "sgd", "lr": 0.1}
-    x, y = _batches(1)[0]
+    x, y = batches(1)[0]
     lo, n = chunk(BATCH, comm.rank, comm.size)
     out = []
     for strategy, extra in (("diloco", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("local_sgd", {})):
-        s = build_strategy(_config(strategy, optim, 4, group_size=2, sync_every=2, **extra), comm, META)
+        s = build_strategy(config(strategy, optim, 4, group_size=2, sync_every=2, **extra), comm, META)
         start = s.outer.theta.copy()
         s.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
         s.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
@@ -164,9 +132,9 @@ def test_outer_nesterov_moves_theta_outer_past_the_average(comm):
 def test_config_errors_name_the_outer_options():
     with pytest.raises(ConfigError, match="compress the exchange between groups with outer_compression"):
         validate({"parallel": {"strategy": "diloco", "compression": "fp16"}})
-    with pytest.raises(ConfigError, match="outer_lr applies to strategy = 'diloco' only"):
+    with pytest.raises(ConfigError, match="outer_lr applies to strategy = 'diloco' or 'diloco_async'"):
         validate({"parallel": {"strategy": "local_sgd", "outer_lr": 0.5}})
-    with pytest.raises(ConfigError, match="sync_every applies to strategy = 'diloco' or 'local_sgd'"):
+    with pytest.raises(ConfigError, match="sync_every applies to strategy = 'diloco' or 'local_sgd' or 'diloco_async'"):
         validate({"parallel": {"strategy": "dp", "sync_every": 5}})
     with pytest.raises(ConfigError, match="outer_compression = 'nope'"):
         validate({"parallel": {"strategy": "diloco", "outer_compression": "nope"}})

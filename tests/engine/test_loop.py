@@ -68,7 +68,8 @@ def test_unknown_strategy_is_a_config_error_and_the_schema_lists_every_strategy(
     cfg["parallel"]["strategy"] = "warp"
     with pytest.raises(ConfigError, match="unknown parallel.strategy 'warp'"):
         build_strategy(cfg, comm, {})
-    assert list(STRATEGIES) == ["dp", "zero", "pipeline", "ps", "admm", "diloco", "local_sgd"]
+    assert list(STRATEGIES) == ["dp", "zero", "pipeline", "ps", "admm", "diloco", "local_sgd",
+                                "diloco_async"]
     assert all(issubclass(cls, Strategy) and cls.name == name for name, cls in STRATEGIES.items())
     assert SCHEMA["parallel"]["strategy"].choices == tuple(STRATEGIES)
 
