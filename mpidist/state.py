@@ -18,7 +18,7 @@ import numpy as np
 from mpidist.kernels.backend import get_array_module, to_numpy
 
 __all__ = ["TensorPiece", "StateDict", "InMemoryState", "MODEL_PREFIXES", "flat_pieces",
-           "replicated_pieces", "read_flat", "read_params", "gather_state"]
+           "replicated_pieces", "read_flat", "read_params", "assemble_state", "gather_state"]
 
 # Key prefixes of the model's logical tensors, which every checkpoint must hold; other keys
 # are run state (compression residuals, ps clocks), loaded when present.
@@ -104,13 +104,19 @@ def read_params(source, layout, out, lo: int = 0) -> None:
     read_flat(source, "optim/master" if masters else "params", layout, out, lo)
 
 
+def assemble_state(step: int, pieces, scalars: dict | None = None) -> InMemoryState:
+    """Whole tensors from pieces of them: pieces holds one {key: TensorPiece} per holder
+    (ranks, copies); where two pieces overlap they hold the same values."""
+    tensors: dict = {}
+    shapes: dict = {}
+    for held in pieces:
+        for key, p in held.items():
+            full = tensors.setdefault(key, np.zeros(int(np.prod(p.shape)), dtype=p.data.dtype))
+            full[p.offset:p.offset + p.data.size] = p.data.reshape(-1)
+            shapes[key] = p.shape
+    return InMemoryState(step, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, scalars)
+
+
 def gather_state(sd: StateDict, comm) -> InMemoryState:
     """Collective: assemble every tensor whole on every rank (small models, tests)."""
-    everything = comm.comm.allgather({k: (p.shape, p.offset, p.data) for k, p in sd.tensors.items()})
-    tensors: dict = {}
-    for pieces in everything:
-        for key, (shape, offset, data) in pieces.items():
-            full = tensors.setdefault(key, np.zeros(int(np.prod(shape)), dtype=data.dtype))
-            full[offset:offset + data.size] = data
-    shapes = {k: s for pieces in everything for k, (s, _, _) in pieces.items()}
-    return InMemoryState(sd.step, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, sd.scalars)
+    return assemble_state(sd.step, comm.comm.allgather(sd.tensors), sd.scalars)

@@ -89,18 +89,29 @@ class DataParallel(Strategy):
 
     def state_dict(self) -> StateDict:
         r, s = self.comm.rank, self.comm.size
+        sd = self._replicated(r, s)
+        ca = self.dopt.compressed
+        if ca is not None:          # this rank's residuals: one row per rank
+            sd.tensors.update(compression_pieces(ca, self.layout, r, s))
+            sd.scalars["compression"] = compression_scalars(ca)
+        if self.dopt.onebit is not None:     # the 1-bit momentum exchange's residuals
+            sd.tensors.update(self.dopt.onebit.pieces(r, s))
+            sd.scalars.update(self.dopt.onebit.scalars())
+        return sd
+
+    def replica_state_dict(self) -> StateDict:
+        """Every rank holds the whole model and optimizer: all of it, as rank 0 of 1 (without
+        the per-rank residuals of compression, which start afresh where this is loaded)."""
+        return self._replicated(0, 1)
+
+    def _replicated(self, r: int, s: int) -> StateDict:
+        """What every rank holds whole (parameters, optimizer buffers and scalars) as rank r
+        of s writes it: chunk(r, s) of each."""
         tensors = replicated_pieces("params", self.layout, self.params.data, r, s)
         for name, buf in sorted(self.optimizer.state_buffers().items()):
             tensors.update(replicated_pieces(f"optim/{name}", self.layout, buf, r, s))
         scalars = {"optim_step": self.optimizer.step_count, "optim": self.optimizer.name,
                    "optim_extra": self.optimizer.extra_state()}
-        ca = self.dopt.compressed
-        if ca is not None:          # this rank's residuals: one row per rank
-            tensors.update(compression_pieces(ca, self.layout, r, s))
-            scalars["compression"] = compression_scalars(ca)
-        if self.dopt.onebit is not None:     # the 1-bit momentum exchange's residuals
-            tensors.update(self.dopt.onebit.pieces(r, s))
-            scalars.update(self.dopt.onebit.scalars())
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:

@@ -19,9 +19,10 @@ import mpi4py
 import numpy as np
 
 from mpidist import ulfm
+from mpidist.compress import wire
 from mpidist.errors import ConfigError
 from mpidist.ft.inject import KillPlan
-from mpidist.state import InMemoryState, replicated_pieces
+from mpidist.state import InMemoryState, TensorPiece, assemble_state
 from mpidist.strategy.metrics import append_step_if_missing, setup_logging
 
 __all__ = ["Resilience", "SHARD_ROUTES", "replica", "pieces_cover"]
@@ -78,8 +79,10 @@ class Resilience:
         self.route = config["job"]["shard_restore"] if zero else "replica"
         self.recoveries: list[dict] = []
         self._holder = None        # dp: what this rank restores from (a strategy or an InMemoryState)
-        self._mine: collections.deque = collections.deque(maxlen=2)    # zero: (step, pieces)
+        # zero: copies of the last two steps' pieces, (step, index, raw message, scalars) each
+        self._mine: collections.deque = collections.deque(maxlen=2)
         self._theirs: collections.deque = collections.deque(maxlen=2)  # the left neighbour's
+        self._index = self._left = None     # what my copy and the left one's hold (_pair)
         self._restore = None       # what the next strategy loads: a state, "checkpoint" or None
         self._pending: dict | None = None   # the recovery waiting for its first completed step
         self._out_dir = config["job"]["out_dir"]
@@ -120,6 +123,7 @@ class Resilience:
             self._write_unwritten()
         self._unwritten = None
         if self.route == "neighbour":
+            self._pair(strategy)
             self._snapshot(strategy)
 
     def step_done(self, record: dict) -> None:
@@ -202,43 +206,81 @@ class Resilience:
         return mine
 
     # ------------------------------------------------------------------ zero: neighbour copies
-    def _snapshot(self, strategy) -> None:
-        """Keep my pieces of this step and swap copies with my neighbours (collective)."""
+    def _pair(self, strategy) -> None:
+        """With a new strategy: tell my right neighbour what my copies will hold (pieces and
+        message size, fixed while the strategy lives) and learn the left one's, so that each
+        step's copy travels as one raw message of agreed size (collective)."""
         sd = strategy.state_dict()
-        mine = (sd.step, {k: (p.shape, p.offset, np.array(p.data, copy=True)) for k, p in sd.tensors.items()},
-                dict(sd.scalars))
-        self._mine.append(mine)
+        pieces = describe(sd)
+        self._index = (packed(sd, pieces).size, pieces)
         c = self.comm
         if c.size > 1:
-            theirs = c.comm.sendrecv(mine, dest=(c.rank + 1) % c.size, source=(c.rank - 1) % c.size)
-            self._theirs.append(theirs)
+            self._left = c.comm.sendrecv(self._index, dest=(c.rank + 1) % c.size,
+                                         source=(c.rank - 1) % c.size)
+
+    def _snapshot(self, strategy) -> None:
+        """Keep my pieces of this step and swap copies with my neighbours: mine to the right,
+        the left one's to me, in one Sendrecv (collective)."""
+        sd = strategy.state_dict()
+        raw = packed(sd, self._index[1])
+        self._mine.append((sd.step, self._index, raw, dict(sd.scalars)))
+        c = self.comm
+        if c.size > 1:
+            theirs = np.empty(self._left[0], dtype=np.uint8)
+            c.comm.Sendrecv(raw, dest=(c.rank + 1) % c.size, recvbuf=theirs, source=(c.rank - 1) % c.size)
+            # the step and the scalars are the same on every rank
+            self._theirs.append((sd.step, self._left, theirs, dict(sd.scalars)))
 
     def _assemble_shards(self):
         """The newest step every piece of which some survivor holds, assembled whole on every
         rank (an InMemoryState); "checkpoint" when there is none (neighbours died together)."""
         held = list(self._mine) + list(self._theirs)
-        index = [(step, {k: (shape, off, data.size) for k, (shape, off, data) in pieces.items()})
-                 for step, pieces, _ in held]
-        everyone = self.comm.comm.allgather(index)
-        steps = sorted({s for idx in everyone for s, _ in idx}, reverse=True)
-        best = next((s for s in steps if pieces_cover([p for idx in everyone for st, p in idx if st == s])), None)
+        # 1. what every survivor holds, and the newest step it covers
+        everyone = self.comm.comm.allgather([(step, index, scalars) for step, index, _, scalars in held])
+        steps = sorted({s for entries in everyone for s, _, _ in entries}, reverse=True)
+        best = next((s for s in steps if pieces_cover([spans_of(index) for entries in everyone
+                                                       for st, index, _ in entries if st == s])), None)
         if best is None:
             if self.comm.rank == 0:
                 log.warning("the lost shards have no surviving copy: restoring from the last checkpoint")
             return "checkpoint"
-        mine = [(pieces, scalars) for step, pieces, scalars in held if step == best]
-        gathered = self.comm.comm.allgather([p for p, _ in mine])
-        scalars = next((s for _, s in mine), None)
-        scalars = next(s for s in self.comm.comm.allgather(scalars) if s is not None)
-        tensors: dict = {}
-        shapes: dict = {}
-        for per_rank in gathered:
-            for pieces in per_rank:
-                for key, (shape, off, data) in pieces.items():
-                    full = tensors.setdefault(key, np.zeros(int(np.prod(shape)), dtype=data.dtype))
-                    full[off:off + data.size] = data
-                    shapes[key] = shape
-        return InMemoryState(best, {k: v.reshape(shapes[k]) for k, v in tensors.items()}, scalars)
+        # 2. every copy of that step to every survivor, raw, in sizes known from step 1
+        indexes = [[index for st, index, _ in entries if st == best] for entries in everyone]
+        counts = [sum(index[0] for index in per_rank) for per_rank in indexes]
+        sent = [raw for step, _, raw, _ in held if step == best]
+        everything = np.empty(sum(counts), dtype=np.uint8)
+        self.comm.comm.Allgatherv(np.concatenate(sent) if sent else np.empty(0, np.uint8), [everything, counts])
+        # 3. the whole tensors from the pieces
+        pieces, at = [], 0
+        for index in (ix for per_rank in indexes for ix in per_rank):
+            pieces.append(unpack(index, everything[at:at + index[0]]))
+            at += index[0]
+        scalars = next(sc for entries in everyone for st, _, sc in entries if st == best)
+        return assemble_state(best, pieces, scalars)
+
+
+def describe(sd) -> tuple:
+    """The pieces of sd, keys sorted, as ((key, shape, offset, count, dtype), ...): what a
+    copy holds; with its message size, the index of a copy, (bytes, pieces)."""
+    return tuple((k, tuple(p.shape), p.offset, p.data.size, p.data.dtype.str)
+                 for k, p in sorted(sd.tensors.items()))
+
+
+def packed(sd, pieces: tuple) -> np.ndarray:
+    """A copy of sd's pieces in the order describe() gave: one uint8 message (compress.wire)."""
+    return wire.pack([sd.tensors[key].data for key, *_ in pieces])
+
+
+def unpack(index: tuple, raw: np.ndarray) -> dict:
+    """{key: TensorPiece} of a copy (views into raw, the message of that index)."""
+    _, pieces = index
+    arrays = wire.unpack(raw, [dt for *_, dt in pieces])
+    return {k: TensorPiece(shape, off, a) for (k, shape, off, _, _), a in zip(pieces, arrays)}
+
+
+def spans_of(index: tuple) -> dict:
+    """{key: (shape, offset, count)} of a copy, as pieces_cover reads it."""
+    return {k: (shape, off, count) for k, shape, off, count, _ in index[1]}
 
 
 def pieces_cover(indexes: list[dict]) -> bool:
@@ -261,13 +303,7 @@ def pieces_cover(indexes: list[dict]) -> bool:
 
 
 def replica(strategy) -> InMemoryState:
-    """A data-parallel strategy's whole state (parameters, optimizer buffers and step) as an
-    InMemoryState its load_state_dict reads at any world size."""
-    bufs = [("params", strategy.params.data)]
-    bufs += [(f"optim/{name}", b) for name, b in sorted(strategy.optimizer.state_buffers().items())]
-    tensors = {}
-    for prefix, buf in bufs:
-        for key, piece in replicated_pieces(prefix, strategy.layout, buf, 0, 1).items():
-            tensors[key] = np.array(piece.data, copy=True).reshape(piece.shape)
-    return InMemoryState(strategy.step, tensors, {"optim_step": strategy.optimizer.step_count,
-                                                  "optim": strategy.optimizer.name})
+    """A strategy's whole state on this rank (its replica_state_dict: parameters, optimizer
+    buffers and step of dp), which its load_state_dict reads at any world size. Local."""
+    sd = strategy.replica_state_dict()
+    return assemble_state(sd.step, [sd.tensors], sd.scalars)

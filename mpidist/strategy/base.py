@@ -104,6 +104,12 @@ class Strategy(abc.ABC):
         """Collective: restore from a source with .step, .scalars, .keys(), .shape(key),
         .read(key, offset, count), whatever world size wrote it."""
 
+    def replica_state_dict(self) -> StateDict:
+        """Local: the whole state, as the one rank of a one-rank job would give it, where every
+        rank holds all of it (dp). What the survivors of a lost rank continue from (mpidist.ft).
+        A strategy whose ranks hold shards has none."""
+        raise NotImplementedError(f"strategy {self.name!r} holds no whole replica on a rank")
+
     @abc.abstractmethod
     def memory_report(self) -> dict:
         """Bytes this rank holds: {"params", "grads", "optim", "activations"(if known), "total"}."""

@@ -1,14 +1,20 @@
-"""[job] fault_tolerance: config checks, the ULFM check and the pieces a neighbour copy must
-cover (no failure injected here: tests/ft/test_shrink.py kills ranks). Any rank count."""
+"""[job] fault_tolerance: config checks, the ULFM check, the pieces a neighbour copy must
+cover and the copy's message, and the state a recovery would restore, taken without a failure
+(tests/ft/test_shrink.py kills ranks). Any rank count."""
 import tomllib
 
+import mpi4py
+import numpy as np
 import pytest
 from mpi4py import MPI
 
 from mpidist import ulfm
 from mpidist.engine.config import validate
+from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError
-from mpidist.ft.recovery import Resilience, pieces_cover
+from mpidist.ft.recovery import Resilience, describe, packed, pieces_cover, spans_of, unpack
+from mpidist.state import StateDict, TensorPiece, gather_state
+from tests.zero.test_strategy import META, config, run
 
 MAIN = "jobs/digits_lamb.toml"
 
@@ -77,6 +83,43 @@ def test_pieces_cover_every_tensor_whole():
     assert pieces_cover([a, {"params/w": ((4, 3), 4, 8)}])         # overlapping copies
     assert not pieces_cover([a, {"params/w": ((4, 3), 7, 5)}])     # a gap at element 6
     assert not pieces_cover([])
+
+
+def test_a_copy_travels_as_one_message_and_comes_back_whole():
+    sd = StateDict(7, {"params/w": TensorPiece((4, 3), 4, np.arange(6, dtype=np.float32)),
+                       "optim/m/w": TensorPiece((4, 3), 4, np.ones(6, np.float16)),
+                       "params/b": TensorPiece((3,), 0, np.array([1.5, 2.5, 3.5]))}, {})
+    pieces = describe(sd)
+    raw = packed(sd, pieces)
+    assert raw.dtype == np.uint8 and [k for k, *_ in pieces] == sorted(sd.tensors)
+    back = unpack((raw.size, pieces), raw.copy())
+    for key, piece in sd.tensors.items():
+        got = back[key]
+        assert (got.shape, got.offset, got.dtype) == (piece.shape, piece.offset, piece.dtype)
+        assert np.array_equal(got.data, piece.data)
+    assert spans_of((raw.size, pieces))["params/w"] == ((4, 3), 4, 6)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero"])
+def test_the_state_a_recovery_restores_is_the_strategys_whole_state(comm, monkeypatch, strategy):
+    """dp: this rank's replica; zero: the shards and the neighbours' copies, exchanged as raw
+    messages after every step and assembled (rank 0's shard from its neighbour's copy)."""
+    monkeypatch.setattr(ulfm, "active", lambda: True)
+    monkeypatch.setattr(mpi4py.rc, "fast_reduce", False)
+    cfg = config(strategy, **({"stage": 2} if strategy == "zero" else {}))
+    s = build_strategy(cfg, comm, META)
+    res = Resilience(cfg, comm)
+    res.attach(s, None)
+    *_, want = run(s, comm)
+    res.after_step(s)
+    if strategy == "zero" and comm.size > 1 and comm.rank == 0:
+        res._mine.clear()       # rank 0's own copies lost: its shard comes from rank 1's copy
+    got = res._agree()
+    assert got.step == want.step == 4 and sorted(got.keys()) == sorted(want.keys())
+    for key in want.keys():
+        assert np.array_equal(got.tensors[key], want.tensors[key]), key
+    assert got.scalars == want.scalars
+    s.close()
 
 
 def test_planned_kills_are_read_per_rank_and_a_bad_plan_is_refused():
