@@ -15,9 +15,11 @@ Checkpoints: params/ is theta_outer and optim/outer_momentum_buffer/ its momentu
 model state, resharded at any world size); each group's inner parameters and optimizer
 state are rows of diloco/params/ and diloco/optim/<state>/ ((G, *shape) tensors), the
 round's sample counts diloco/round (G, 2), the outer exchange's residuals compress/ (one row
-per group). Resumed with the same number of groups, a checkpoint written mid-round
-continues the same trajectory; with another number, the round restarts from theta_outer
-and group g takes the inner optimizer state of old group g * G_old // G.
+per group). Resumed with the same number of groups, at any world size, a checkpoint
+written mid-round continues the same trajectory (up to summation order where the groups
+read the same rows); with another number, every group runs the rest of the round from
+theta_outer, the syncs stay at the same steps, and group g takes the inner optimizer
+state of old group g * G_old // G.
 """
 from __future__ import annotations
 
@@ -167,13 +169,13 @@ class DiLoCo(Strategy):
         old = int(sc.get("diloco_groups", 0))
         same = old == g.count and all(f"diloco/params/{seg.name}" in keys for seg in self.layout.segments)
         params = self.inner.params.data
+        self.round_start = int(sc.get("round_start", self.step))     # the step within H
         if same:                     # the round goes on where it stood
             _read_row(source, "diloco/params", self.layout, params, g.index)
-            self.round_start = int(sc.get("round_start", self.step))
             self.round[:] = source.read("diloco/round", 2 * g.index, 2) if "diloco/round" in keys else 0
-        else:                        # a new round from theta_outer
+        else:                        # the rest of the round from theta_outer
             params[...] = self.outer.theta
-            self.round_start, self.round[:] = self.step, 0
+            self.round[:] = 0
         inner = self.inner.optimizer
         row = g.index * old // g.count if old else 0
         for name, buf in inner.state_buffers().items():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpidist.checkpoint.manager import CheckpointManager
 from mpidist.comm import Communicator
 from mpidist.diloco import group_colors
 from mpidist.engine.config import validate
@@ -15,6 +16,7 @@ from mpidist.engine.loop import run
 from mpidist.engine.strategies import build_strategy
 from mpidist.errors import ConfigError
 from mpidist.partition import chunk
+from mpidist.state import read_flat
 from mpidist.strategy.metrics import read_metrics
 
 from .diloco_case import BATCH, META, batches, config, loop_config
@@ -108,6 +110,59 @@ def test_a_checkpoint_written_mid_round_resumes_the_same_trajectory(comm, shared
         assert [r["loss"] for r in a if r["event"] == "step"] == \
             [r["loss"] for r in b if r["event"] == "step" and r["step"] > 6]
     assert resumed["test_loss"] == straight["test_loss"]
+
+
+def _rows(source, prefix: str, layout, row: int) -> np.ndarray:
+    """Row `row` of the checkpoint's (rows, *shape) tensors "<prefix>/<name>", flat."""
+    return np.concatenate([np.asarray(source.read(f"{prefix}/{seg.name}", row * seg.size, seg.size))
+                           for seg in layout.segments])
+
+
+@pytest.mark.parametrize("same_groups", [True, False])
+def test_a_mid_round_checkpoint_resumes_at_another_world_size(comm, shared_dir, same_groups):
+    """Written at p ranks in groups of 2 at step 6 (two steps into a round of 4) and read
+    at another world size: theta_outer, the outer momentum and the step within the round
+    carry over. With as many groups (one rank each) every group goes on from its own inner
+    parameters (and where the groups read the same rows, the losses are the written run's);
+    with another number (p groups of one) from theta_outer; either way the next sync comes
+    at step 8, as it would have."""
+    run(loop_config(shared_dir, "write", False), comm)
+    if comm.rank == 0:
+        os.remove(os.path.join(shared_dir, "ckpt", "ckpt-00000011.h5"))
+    groups = -(-comm.size // 2)
+    size = groups if same_groups else comm.size
+    sub = comm.split(color=int(comm.rank < size))
+    if comm.rank < size:
+        cfg = loop_config(shared_dir, "read", True, group_size=1)
+        cfg["job"]["total_steps"] = 11
+        s = build_strategy(cfg, sub, META)
+        same = s.groups.count == groups            # also with "another number" at one rank
+        assert same == same_groups or comm.size == 1
+        with CheckpointManager(os.path.join(shared_dir, "ckpt"), comm=sub).open_latest() as src:
+            s.load_state_dict(src)
+            theta, momentum = (np.empty(s.layout.numel, np.float32) for _ in range(2))
+            read_flat(src, "params", s.layout, theta)
+            read_flat(src, "optim/outer_momentum_buffer", s.layout, momentum)
+            inner = _rows(src, "diloco/params", s.layout, s.groups.index) if same else theta
+        assert (s.step, s.round_start) == (6, 4)
+        assert np.array_equal(s.outer.theta, theta) and np.abs(momentum).max() > 0
+        assert np.array_equal(s.outer.optimizer.state_buffers()["momentum_buffer"], momentum)
+        assert np.array_equal(s.inner.params.data, inner)
+        lo, n = chunk(BATCH, sub.rank, sub.size)
+        synced = [s.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)["synced"] for x, y in batches(2)]
+        assert synced == [False, True]
+        s.close()
+        # where each group reads the same rows at both sizes, the same trajectory (the
+        # inner sums run over other ranks: equal up to rounding)
+        write = [chunk(BATCH, r, comm.size) for r in range(comm.size)]
+        aligned = same and all(chunk(BATCH, g, size) == (write[2 * g][0], sum(n for _, n in write[2 * g:2 * g + 2]))
+                               for g in range(groups))
+        if aligned:
+            run(loop_config(shared_dir, "read", True, group_size=1), sub)
+            if sub.rank == 0:
+                a, b = (read_metrics(os.path.join(shared_dir, n, "metrics.jsonl")) for n in ("read", "write"))
+                assert np.allclose([r["loss"] for r in a if r["event"] == "step"],
+                                   [r["loss"] for r in b if r["event"] == "step" and r["step"] > 6], rtol=1e-5)
 
 
 def test_outer_nesterov_moves_theta_outer_past_the_average(comm):
