@@ -29,16 +29,24 @@ from mpidist.strategy.onebit import OnebitDriver, is_onebit
 __all__ = ["DistributedOptimizer", "make_buckets"]
 
 
+TAPER = 4      # the ends of backward get buckets of bucket_mb / TAPER
+
+
 def make_buckets(layout: Layout, itemsize: int, bucket_mb: float) -> list[tuple[int, int]]:
     """[(lo, hi)] flat ranges, whole tensors each, from the end of the buffer to its start.
 
     A bucket closes once it holds at least bucket_mb MiB; bucket_mb = 0 gives one bucket.
+    Both ends of backward take smaller buckets, of bucket_mb / TAPER: the first one (the
+    last layers), so that the first transfer starts early, and those within bucket_mb of
+    the buffer's start (what backward finishes last), so that what is left to send once
+    backward has ended, the step's exposed tail, is one small bucket rather than a full one.
     """
-    limit = bucket_mb * 2 ** 20 if bucket_mb > 0 else float("inf")
+    full = bucket_mb * 2 ** 20 if bucket_mb > 0 else float("inf")
     buckets, hi, nbytes = [], layout.numel, 0
     for seg in reversed(layout.segments):
         nbytes += seg.size * itemsize
-        if nbytes >= limit:
+        tapered = not buckets or seg.offset * itemsize < full
+        if nbytes >= (full / TAPER if tapered else full):
             buckets.append((seg.offset, hi))
             hi, nbytes = seg.offset, 0
     if hi > 0 or not buckets:

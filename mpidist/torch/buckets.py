@@ -86,8 +86,14 @@ class GradientBuckets:
         self._handles: list = []
         self._finite = True
         self._synced = None
+        self._flag, self._flag_req = None, None
         self._errors: list[str] = []
         self.t_launch = 0.0
+
+    @property
+    def synced(self) -> bool:
+        """Whether this round's buckets have been waited for (synchronize() ran)."""
+        return self._synced is not None
 
     def remove(self) -> None:
         """Detach from the model's backward."""
@@ -175,17 +181,43 @@ class GradientBuckets:
     def _launch(self) -> None:
         t0 = time.perf_counter()
         while len(self._handles) < len(self.buckets) and self._pending[len(self._handles)] == 0:
-            lo, hi = self.buckets[len(self._handles)]
-            self._handles.append(self.exchange.launch(lo, hi, self._own[len(self._handles)]))
+            b = len(self._handles)
+            lo, hi = self.buckets[b]
+            self._handles.append(self.exchange.launch(lo, hi, self._own[b]))
             if len(self._handles) == len(self.buckets):
                 self.exchange.launched()
         self.t_launch += time.perf_counter() - t0
 
-    def synchronize(self, settle: bool = True) -> bool:
+    def _post_flags(self) -> None:
+        """Start the small allreduce of what every rank must agree on before an update:
+        whether its gradients were finite, its errors, which parameters had a gradient.
+        Posted once every gradient is final; it is small, so it is back before the first
+        bucket is, which the update of that bucket needs."""
+        self._flag = np.concatenate([[0.0 if self._finite else 1.0, float(len(self._errors))],
+                                     self._had])
+        c = self.comm
+        self._flag_req = c.comm.Iallreduce(MPI.IN_PLACE, self._flag, op=MPI.SUM) \
+            if c.size > 1 else None
+
+    def _agree(self) -> bool:
+        """Wait for the flags; mark the parameters no rank had a gradient for. Returns
+        whether the step may update (no errors, every rank's gradients finite)."""
+        if self._flag_req is not None:
+            self._flag_req.Wait()
+            self._flag_req = None
+        self.unused = self._flag[2:] == 0.0
+        for i in np.flatnonzero(self.unused):   # no rank had one: None, as torch leaves it
+            self.params[i].grad = None
+        return self._flag[0] == 0.0 and self._flag[1] == 0.0
+
+    def synchronize(self, settle: bool = True, each=None) -> bool:
         """Launch what is left, agree on finiteness and wait for every bucket; returns
         whether the summed gradients are finite on every rank (collective). settle: also
         wait until no rank reads my gradients any more (else the caller settles later,
-        before writing into them: exchange.settle())."""
+        before writing into them: exchange.settle()). each: called with (lo, hi) of each
+        bucket once it is reduced and the ranks have agreed that the step updates, in
+        bucket order, while the later buckets are still in flight (the update of what is
+        back overlaps the transfer of the rest)."""
         if self._synced is not None:
             if settle:
                 self.exchange.settle()
@@ -193,25 +225,25 @@ class GradientBuckets:
         for i, p in enumerate(self.params):
             if self._passes[i] < self.passes_per_step:
                 self._grad_final(i, p, from_hook=False)
-        flag = np.concatenate([[0.0 if self._finite else 1.0, float(len(self._errors))],
-                               self._had])
-        c = self.comm
-        req = c.comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.SUM) if c.size > 1 else None
+        self._post_flags()
+        agreed = None
         for b, h in enumerate(self._handles):
             if h is not None:
                 self.exchange.wait(self.buckets[b], h)
-        if req is not None:
-            req.Wait()
+            if each is not None:
+                if agreed is None:
+                    agreed = self._agree()
+                if agreed:
+                    each(self.buckets[b])
+        if agreed is None:
+            self._agree()
         summed_finite = self.exchange.complete()
-        if flag[1] > 0:                     # every bucket went out and came back first
+        if self._flag[1] > 0:               # every bucket went out and came back first
             error = RuntimeError("; ".join(self._errors)) if self._errors else None
             self.exchange.settle()
             self.new_round()
-            c.raise_if_any(error)
-        self._synced = bool(flag[0] == 0.0) and summed_finite is not False
-        self.unused = flag[2:] == 0.0
-        for i in np.flatnonzero(self.unused):   # no rank had one: None, as torch leaves it
-            self.params[i].grad = None
+            self.comm.raise_if_any(error)
+        self._synced = bool(self._flag[0] == 0.0) and summed_finite is not False
         if settle:
             self.exchange.settle()
         return self._synced

@@ -87,6 +87,17 @@ def test_make_buckets_cover_the_buffer_in_reverse():
     assert make_buckets(layout, 4, 1e-9) == [(153, 160), (103, 153), (100, 103), (0, 100)]
 
 
+def test_make_buckets_taper_at_both_ends_of_backward():
+    """The first bucket (last layers) and those within bucket_mb of the buffer's start
+    (what backward finishes last) close at a quarter of bucket_mb; the middle at bucket_mb."""
+    layout = Layout([(f"t{i}", (256,)) for i in range(64)])      # 1 KiB tensors
+    b = make_buckets(layout, 4, 16 / 1024)                         # 16 KiB buckets
+    sizes = [(hi - lo) * 4 // 1024 for lo, hi in b]
+    assert sizes[0] == 4 and sizes[1:3] == [16, 16] and sum(sizes) == 64
+    tail = [s for s, (lo, hi) in zip(sizes, b) if hi * 4 <= 16 * 1024]
+    assert sum(tail) >= 12 and max(tail) <= 4
+
+
 def test_existing_code_loop_with_plain_arrays(comm):
     """Logistic regression with the user's own arrays and hand-computed gradients."""
     rng = np.random.default_rng(0)

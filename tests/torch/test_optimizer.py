@@ -107,6 +107,55 @@ def test_torch_optimizer_equals_one_process(comm):
     opt.close()
 
 
+@pytest.mark.parametrize("kind", ["sgd_fused", "adam"])
+def test_torch_optimizer_updates_bucket_by_bucket_as_one_process(comm, kind):
+    """With several buckets, step() updates each as it comes back (the wrapped optimizer's
+    step over that bucket's parameters); the result is one process's, and a skipped step
+    (Inf on one rank) updates nothing."""
+    def make(ps):
+        if kind == "adam":
+            return torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-3)
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True)
+    data = batches(4, comm.size)
+    model = make_model()
+    inner = make(model.parameters())
+    calls = []
+    step = inner.step
+    inner.step = lambda *a, **k: (calls.append(1), step(*a, **k))[1]
+    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=1e-4)
+    nb = len(opt.buckets.buckets)
+    assert nb >= 3
+    train(opt, model, data, comm.rank)
+    assert len(calls) == 4 * nb
+    ref = make_model()
+    ropt = make(ref.parameters())
+    for x, y in data:
+        ropt.zero_grad()
+        loss_of(ref, x, y).backward()
+        ropt.step()
+    assert_same_params(model, ref)
+    before = opt.flat_params.copy()
+    x, y = data[0]
+    opt.zero_grad()
+    loss = loss_of(model, mine(x, comm.rank), mine(y, comm.rank))
+    (loss * (float("inf") if comm.rank == comm.size - 1 else 1.0)).backward()
+    opt.step()
+    assert opt.last_step["skipped"] and np.array_equal(opt.flat_params, before)
+    opt.close()
+
+
+def test_step_hooks_run_once_per_step_with_several_buckets(comm):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    inner.register_step_post_hook(lambda *a: seen.append("inner"))
+    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=1e-4)
+    opt.register_step_post_hook(lambda *a: seen.append("outer"))
+    train(opt, model, batches(2, comm.size), comm.rank)
+    assert seen == ["inner", "outer"] * 2
+    opt.close()
+
+
 @pytest.fixture(scope="module")
 def gloo():
     """torch.distributed over gloo on the same ranks (a port agreed from rank 0)."""
