@@ -6,7 +6,10 @@ data parallel for H inner steps, then exchange one outer gradient across groups.
     ... H inner steps on params within groups.group ...
     outer.sync(params, weight)                        # params <- the new theta_outer
 
-The engine's strategies "diloco" and "local_sgd" and mpidist.torch.DiLoCo are built on these.
+streaming.py cuts the buffer into fragments with staggered outer steps (streaming DiLoCo);
+asynchronous.py runs the outer step on parameter-server ranks with delayed Nesterov
+(delayed.py), without a barrier between groups. The engine's strategies "diloco",
+"local_sgd" and "diloco_async" and mpidist.torch.DiLoCo are built on these.
 """
 from mpidist.diloco.groups import Groups, group_colors, make_groups
 from mpidist.diloco.outer import OuterOptimizer

@@ -3,7 +3,8 @@ step across groups every H inner steps (mpidist.diloco; Douillard et al. 2023, D
 
 [parallel] group_size (0: a group per node), sync_every (H), outer_lr and outer_momentum
 (diloco: Nesterov SGD, 0.7 and 0.9 by default; local_sgd: averaging, lr 1, no momentum),
-outer_compression (+ outer_compression_options) for the exchange between groups; the inner
+outer_compression (+ outer_compression_options) for the exchange between groups,
+outer_fragments (streaming: each fragment of the model on its own offset schedule); the inner
 step is the job's optimizer, data parallel over the group (algorithm, bucket_mb,
 accumulation as for dp). Every rank reads its own rows of each global batch, so a group of
 k ranks trains on k/p of it; the loss and metrics are the global ones (one 24-byte
@@ -27,6 +28,7 @@ import numpy as np
 
 from mpidist.compress import make_compressor
 from mpidist.diloco import OuterOptimizer, make_groups
+from mpidist.diloco.streaming import fragments_due, round_starts
 from mpidist.engine.dp import DataParallel
 from mpidist.kernels.backend import to_numpy
 from mpidist.partition import chunk
@@ -63,7 +65,7 @@ class DiLoCo(Strategy):
     """DiLoCo over groups of ranks, each group an inner data-parallel job (engine.dp)."""
     name = "diloco"
     keys = ("group_size", "sync_every", "outer_lr", "outer_momentum", "outer_compression",
-            "outer_compression_options")
+            "outer_compression_options", "outer_fragments")
 
     @classmethod
     def config_errors(cls, parallel: dict, world_size: int | None = None) -> list[str]:
@@ -80,6 +82,9 @@ class DiLoCo(Strategy):
                 errors.append(f"[parallel] outer_compression = {name!r}: {exc}")
         elif options:
             errors.append("[parallel] outer_compression_options needs outer_compression = '<name>'")
+        if parallel["outer_fragments"] > parallel["sync_every"]:
+            errors.append(f"[parallel] outer_fragments = {parallel['outer_fragments']} needs sync_every >= "
+                          f"{parallel['outer_fragments']} (each fragment its own step in a round)")
         return errors
 
     def outer_hyper(self, parallel: dict) -> tuple[float, float]:
@@ -98,9 +103,11 @@ class DiLoCo(Strategy):
         self.outer = OuterOptimizer(self.inner.params.data, self.layout, self.groups, lr=lr,
                                     momentum=momentum, compression=p["outer_compression"],
                                     compression_options=p["outer_compression_options"],
-                                    algorithm=p["algorithm"])
-        self.round_start = 0               # the step theta_outer was last set
-        self.round = np.zeros(2)           # samples this round: my group's, all groups'
+                                    algorithm=p["algorithm"], fragments=p["outer_fragments"])
+        self.fragments = int(p["outer_fragments"])
+        # per fragment: the step its round started, its samples (my group's, all groups')
+        self.round_starts = round_starts(0, self.sync_every, self.fragments)
+        self.round = np.zeros((self.fragments, 2))
 
     def group_rows(self, global_count: int) -> int:
         """Rows of a global batch of global_count that my group reads (no communication)."""
@@ -120,10 +127,12 @@ class DiLoCo(Strategy):
         self.round += (group_count, global_count)
         out = {**m, "loss": stats[0] / max(stats[2], 1), "correct": int(stats[1]), "count": int(stats[2]),
                "synced": False}
-        if self.step - self.round_start >= self.sync_every or self.step == self.total_steps:
-            info = self.outer.sync(self.inner.params.data, self.round[0] / self.round[1])
-            self.round_start, self.round[:] = self.step, 0
-            out.update(synced=True, outer_skipped=info["skipped"], outer_bytes=info["bytes"],
+        due = fragments_due(self.step, self.round_starts, self.sync_every, self.total_steps)
+        if due:
+            info = self.outer.sync(self.inner.params.data, self.round[:, 0] / np.maximum(self.round[:, 1], 1), due)
+            for f in due:
+                self.round_starts[f], self.round[f] = self.step, 0
+            out.update(synced=True, fragments=due, outer_skipped=info["skipped"], outer_bytes=info["bytes"],
                        t_comm=m["t_comm"] + info["t_comm"], t_optim=m["t_optim"] + info["t_optim"])
         return out
 
@@ -140,17 +149,19 @@ class DiLoCo(Strategy):
         r, s, g = self.comm.rank, self.comm.size, self.groups
         gr, gs = g.group.rank, g.group.size
         tensors = replicated_pieces("params", self.layout, self.outer.theta, r, s)
-        for name, buf in sorted(self.outer.optimizer.state_buffers().items()):
+        for name, buf in sorted(self.outer.state_buffers().items()):
             tensors.update(replicated_pieces(f"optim/outer_{name}", self.layout, buf, r, s))
         tensors.update(_row_pieces("diloco/params", self.layout, self.inner.params.data, g.index, g.count, gr, gs))
         inner = self.inner.optimizer
         for name, buf in sorted(inner.state_buffers().items()):
             tensors.update(_row_pieces(f"diloco/optim/{name}", self.layout, buf, g.index, g.count, gr, gs))
         scalars = {"optim_step": inner.step_count, "optim": inner.name, "optim_extra": inner.extra_state(),
-                   "outer_step": self.outer.optimizer.step_count, "outer_syncs": self.outer.steps,
-                   "diloco_groups": g.count, "round_start": self.round_start}
+                   "outer_step": self.outer.step_counts[0], "outer_steps": self.outer.step_counts,
+                   "outer_syncs": self.outer.steps, "diloco_groups": g.count,
+                   "round_start": self.round_starts[0], "round_starts": self.round_starts}
         if g.is_leader:
-            tensors["diloco/round"] = TensorPiece((g.count, 2), 2 * g.index, self.round.copy())
+            width = 2 * self.fragments
+            tensors["diloco/round"] = TensorPiece((g.count, width), width * g.index, self.round.reshape(-1).copy())
         ca = self.outer.compressed
         if ca is not None:           # leaders only: the outer exchange's residuals, a row per group
             tensors.update(compression_pieces(ca, self.layout, g.index, g.count))
@@ -161,21 +172,28 @@ class DiLoCo(Strategy):
         g, sc = self.groups, source.scalars
         keys = set(source.keys())
         read_params(source, self.layout, self.outer.theta)
-        for name, buf in self.outer.optimizer.state_buffers().items():
+        outer = self.outer.state_buffers()
+        for name, buf in outer.items():
             read_flat(source, f"optim/outer_{name}", self.layout, buf)
-        self.outer.optimizer.step_count = int(sc.get("outer_step", 0))
+        self.outer.load_state_buffers(outer)
+        counts = sc.get("outer_steps", [sc.get("outer_step", 0)])
+        self.outer.step_counts = counts if len(counts) == self.fragments else max(counts)
         self.outer.steps = int(sc.get("outer_syncs", 0))
         self.step = int(source.step)
         old = int(sc.get("diloco_groups", 0))
         same = old == g.count and all(f"diloco/params/{seg.name}" in keys for seg in self.layout.segments)
         params = self.inner.params.data
-        self.round_start = int(sc.get("round_start", self.step))     # the step within H
+        starts = sc.get("round_starts", [sc["round_start"]] if "round_start" in sc else [])
+        self.round_starts = list(starts) if len(starts) == self.fragments else \
+            round_starts(self.step, self.sync_every, self.fragments)          # the step within H
+        width = 2 * self.fragments
+        self.round[:] = 0
         if same:                     # the round goes on where it stood
             _read_row(source, "diloco/params", self.layout, params, g.index)
-            self.round[:] = source.read("diloco/round", 2 * g.index, 2) if "diloco/round" in keys else 0
+            if "diloco/round" in keys and tuple(source.shape("diloco/round")) == (g.count, width):
+                self.round[:] = np.reshape(source.read("diloco/round", width * g.index, width), (-1, 2))
         else:                        # the rest of the round from theta_outer
             params[...] = self.outer.theta
-            self.round[:] = 0
         inner = self.inner.optimizer
         row = g.index * old // g.count if old else 0
         for name, buf in inner.state_buffers().items():
@@ -188,12 +206,13 @@ class DiLoCo(Strategy):
         self.inner.dopt.zero_grad()
         ca = self.outer.compressed
         if ca is not None:
-            restore_compression(ca, source, self.layout, [(0, self.layout.numel)], g.index, g.count)
+            restore_compression(ca, source, self.layout, [(lo, hi - lo) for lo, hi in self.outer.spans],
+                                g.index, g.count)
 
     def memory_report(self) -> dict:
         rep = self.inner.memory_report()
         outer = int(self.outer.theta.nbytes + self.outer.delta.nbytes) + \
-            sum(int(b.nbytes) for b in self.outer.optimizer.state_buffers().values())
+            sum(int(b.nbytes) for b in self.outer.state_buffers().values())
         rep["optim"] += outer
         rep["total"] += outer
         return rep
@@ -205,7 +224,7 @@ class DiLoCo(Strategy):
 class LocalSGD(DiLoCo):
     """Local SGD: DiLoCo whose outer step is plain averaging (outer lr 1, no momentum)."""
     name = "local_sgd"
-    keys = ("group_size", "sync_every", "outer_compression", "outer_compression_options")
+    keys = ("group_size", "sync_every", "outer_compression", "outer_compression_options", "outer_fragments")
 
     def outer_hyper(self, parallel: dict) -> tuple[float, float]:
         return 1.0, 0.0

@@ -154,6 +154,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "outer_compression": _f(str, "none", "diloco/local_sgd: compressor of the exchange between "
                                 "groups (fp16, bf16, sign, ... of mpidist.compress), or none"),
         "outer_compression_options": _f(dict, {}, "diloco/local_sgd: options of the outer compressor"),
+        "outer_fragments": _f(int, 1, "diloco/local_sgd: streaming DiLoCo's fragments of the model, each "
+                              "with its outer step on its own offset in every H steps (1 = plain)", **_pos),
     },
     "checkpoint": {
         "interval": _f(int, 0, "save every N steps; 0 = only at the end if dir is set", **_nonneg),

@@ -25,6 +25,7 @@ import torch
 
 from mpidist.comm import as_communicator
 from mpidist.diloco import Groups, OuterOptimizer, make_groups
+from mpidist.diloco.streaming import fragments_due, round_starts
 from mpidist.flat import Layout
 from mpidist.torch.params import named_parameters
 from mpidist.torch.tensors import to_numpy
@@ -44,13 +45,15 @@ class DiLoCo:
       mpidist.diloco.make_groups(...)'s Groups.
     outer_compression: None or a compressor name of mpidist.compress (fp16, bf16, sign, ...)
       for the exchange between groups, with outer_compression_options.
+    fragments: streaming DiLoCo (mpidist.diloco.streaming): the model in this many fragments
+      of whole tensors, each with its outer step on its own offset within every H steps.
     comm: the job's communicator (with groups=None or an int). Construction is collective;
     every rank starts from world rank 0's parameters.
     """
 
     def __init__(self, model, inner_optimizer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, groups=None, outer_compression: str | None = None,
-                 outer_compression_options: dict | None = None, comm=None):
+                 outer_compression_options: dict | None = None, fragments: int = 1, comm=None):
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -67,8 +70,8 @@ class DiLoCo:
             error = ValueError(f"the inner DistributedOptimizer runs over {inner_comm.size} ranks, "
                                f"the group over {g.group.size}: build it with comm=groups.group")
         g.world.raise_if_any(error)
-        g.world.check_same((int(sync_every), float(outer_lr), float(outer_momentum), outer_compression),
-                           "DiLoCo settings (sync_every, outer_lr, outer_momentum, outer_compression)")
+        g.world.check_same((int(sync_every), float(outer_lr), float(outer_momentum), outer_compression, fragments),
+                           "DiLoCo settings (sync_every, outer_lr, outer_momentum, outer_compression, fragments)")
         self.params = [p for _, p in named_parameters(model) if p.requires_grad]
         self.layout = Layout((f"p{i}", tuple(p.shape)) for i, p in enumerate(self.params))
         self.inner = inner_optimizer
@@ -77,11 +80,17 @@ class DiLoCo:
         self._gather()
         self.outer = OuterOptimizer(self.flat, self.layout, g, lr=outer_lr, momentum=outer_momentum,
                                     compression=outer_compression or "none",
-                                    compression_options=outer_compression_options)
+                                    compression_options=outer_compression_options, fragments=fragments)
         self._scatter()
         self.weight = g.group.size / g.world.size
-        self.step_in_round = 0
+        self.steps = 0                    # inner steps taken
+        self.round_starts = round_starts(0, sync_every, fragments)
         self.last_sync: dict | None = None
+
+    @property
+    def step_in_round(self) -> int:
+        """Inner steps since the last outer step (of the first fragment)."""
+        return self.steps - self.round_starts[0]
 
     def _gather(self) -> None:
         for seg, p in zip(self.layout.segments, self.params):
@@ -94,19 +103,22 @@ class DiLoCo:
 
     def step(self, closure=None):
         """The inner step; after every sync_every of them, the outer step (collective over
-        the world then). Returns the inner step's result."""
+        the world then; of each fragment on its own schedule). Returns the inner step's result."""
         out = self.inner.step(closure) if closure is not None else self.inner.step()
-        self.step_in_round += 1
-        if self.step_in_round >= self.sync_every:
-            self.sync()
+        self.steps += 1
+        due = fragments_due(self.steps, self.round_starts, self.sync_every)
+        if due:
+            self.sync(due)
         return out
 
-    def sync(self) -> dict:
-        """Collective: the outer step now (mpidist.diloco.OuterOptimizer.sync)."""
+    def sync(self, fragments=None) -> dict:
+        """Collective: the outer step now, of these fragments (None: all;
+        mpidist.diloco.OuterOptimizer.sync)."""
         self._gather()
-        self.last_sync = self.outer.sync(self.flat, self.weight)
+        self.last_sync = self.outer.sync(self.flat, self.weight, fragments)
         self._scatter()
-        self.step_in_round = 0
+        for f in range(len(self.round_starts)) if fragments is None else fragments:
+            self.round_starts[f] = self.steps
         return self.last_sync
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -116,19 +128,17 @@ class DiLoCo:
         """The outer state (theta_outer, outer momentum and step, the step within the round)
         and the inner optimizer's own state_dict(); the model's parameters are the caller's
         to save (they are this group's theta_inner)."""
-        o = self.outer.optimizer
         return {"theta_outer": torch.from_numpy(self.outer.theta.copy()),
-                "outer_state": {k: torch.from_numpy(np.array(v)) for k, v in o.state_buffers().items()},
-                "outer_step": o.step_count, "outer_syncs": self.outer.steps,
-                "step_in_round": self.step_in_round, "inner": self.inner.state_dict()}
+                "outer_state": {k: torch.from_numpy(v) for k, v in self.outer.state_buffers().items()},
+                "outer_steps": self.outer.step_counts, "outer_syncs": self.outer.steps,
+                "steps": self.steps, "round_starts": list(self.round_starts),
+                "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore state_dict()'s output (load the model's parameters alongside)."""
         self.outer.theta[...] = state["theta_outer"].numpy()
-        o = self.outer.optimizer
-        for k, buf in o.state_buffers().items():
-            buf[...] = state["outer_state"][k].numpy()
-        o.step_count = int(state["outer_step"])
+        self.outer.load_state_buffers({k: v.numpy() for k, v in state["outer_state"].items()})
+        self.outer.step_counts = state["outer_steps"]
         self.outer.steps = int(state["outer_syncs"])
-        self.step_in_round = int(state["step_in_round"])
+        self.steps, self.round_starts = int(state["steps"]), list(state["round_starts"])
         self.inner.load_state_dict(state["inner"])

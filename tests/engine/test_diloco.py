@@ -57,12 +57,15 @@ def test_one_inner_step_with_outer_sgd_lr_1_is_data_parallel(comm, momentum):
     dp.close()
 
 
-def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm, fragments):
     """Each group of 2 trains alone (AdamW, its own state) for H steps; then every rank holds
-    the groups' average weighted by their rows, and the groups go on from it."""
+    the groups' average weighted by their rows, and the groups go on from it. Streaming
+    (2 fragments): each fragment is averaged at its own steps, fragment f every H steps from
+    f * H // 2 (fragment 0 from H), all at the last step."""
     steps, sync = 7, 3
     optim = {"name": "adamw", "lr": 0.01, "hyper": {"weight_decay": 0.01}}
-    cfg = config("local_sgd", optim, steps, group_size=2, sync_every=sync)
+    cfg = config("local_sgd", optim, steps, group_size=2, sync_every=sync, outer_fragments=fragments)
     ls = build_strategy(cfg, comm, META)
     colors = group_colors([0] * comm.size, 2)
     groups = max(colors) + 1
@@ -76,16 +79,16 @@ def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm):
         m = ls.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)
         for ref, (a, k) in zip(refs, spans):
             ref.train_step(x[a:a + k], y[a:a + k], global_count=k)
-        if step % sync == 0 or step == steps:
-            assert m["synced"]
-            avg = sum(ref.params.data.astype(np.float64) * k for ref, (_, k) in zip(refs, spans)) / BATCH
+        first = [f * sync // fragments or sync for f in range(fragments)]
+        due = [f for f in range(fragments) if step == steps or (step >= first[f] and (step - first[f]) % sync == 0)]
+        assert m.get("fragments", []) == due and m["synced"] == bool(due)
+        avg = sum(ref.params.data.astype(np.float64) * k for ref, (_, k) in zip(refs, spans)) / BATCH
+        for f in due:
+            lo_f, hi_f = ls.outer.spans[f]
             for ref in refs:
-                ref.params.data[...] = avg
-            worst = max(worst, float(np.max(np.abs(ls.inner.params.data - avg))))
-        else:
-            assert not m["synced"]
-            mine = refs[colors[comm.rank]].params.data     # between syncs: the group's own run
-            worst = max(worst, float(np.max(np.abs(ls.inner.params.data - mine))))
+                ref.params.data[lo_f:hi_f] = avg[lo_f:hi_f]
+        mine = refs[colors[comm.rank]].params.data     # off its steps, a fragment is the group's own
+        worst = max(worst, float(np.max(np.abs(ls.inner.params.data - mine))))
     assert _agree(comm, worst < 1e-6), worst
     for ref in refs:
         ref.close()
@@ -93,12 +96,13 @@ def test_local_sgd_is_the_average_of_independent_runs_at_each_sync(comm):
     ls.close()
 
 
-@pytest.mark.parametrize("outer", [{}, {"outer_compression": "sign"}])
+@pytest.mark.parametrize("outer", [{}, {"outer_compression": "sign"},
+                                   {"outer_fragments": 2, "outer_compression": "sign"}])
 def test_a_checkpoint_written_mid_round_resumes_the_same_trajectory(comm, shared_dir, outer):
     """The straight run saves at step 6 (two steps into the second round of 4) and 11; from
     step 6 the resumed run gives the same losses and final model, so theta_outer, the outer
     momentum, each group's inner parameters and AdamW moments, the round's sample counts
-    and the outer exchange's residuals all carried over."""
+    and the outer exchange's residuals all carried over (streaming: per fragment)."""
     straight = run(loop_config(shared_dir, "straight", False, **outer), comm)
     if comm.rank == 0:
         os.remove(os.path.join(shared_dir, "ckpt", "ckpt-00000011.h5"))
@@ -144,9 +148,9 @@ def test_a_mid_round_checkpoint_resumes_at_another_world_size(comm, shared_dir, 
             read_flat(src, "params", s.layout, theta)
             read_flat(src, "optim/outer_momentum_buffer", s.layout, momentum)
             inner = _rows(src, "diloco/params", s.layout, s.groups.index) if same else theta
-        assert (s.step, s.round_start) == (6, 4)
+        assert (s.step, s.round_starts) == (6, [4])
         assert np.array_equal(s.outer.theta, theta) and np.abs(momentum).max() > 0
-        assert np.array_equal(s.outer.optimizer.state_buffers()["momentum_buffer"], momentum)
+        assert np.array_equal(s.outer.state_buffers()["momentum_buffer"], momentum)
         assert np.array_equal(s.inner.params.data, inner)
         lo, n = chunk(BATCH, sub.rank, sub.size)
         synced = [s.train_step(x[lo:lo + n], y[lo:lo + n], global_count=BATCH)["synced"] for x, y in batches(2)]

@@ -18,22 +18,23 @@ def targets(size):
     return np.random.default_rng(7).standard_normal((size, DIM))
 
 
-def reference(size, w0):
-    """The DiLoCo trajectory by hand: theta_outer after each sync."""
+def reference(size, w0, steps=H * SYNCS, due=lambda t: t % H == 0):
+    """The DiLoCo trajectory by hand: theta_outer after each outer step, which come after
+    the inner steps t where due(t)."""
     colors = group_colors([0] * size, 2)
     c = targets(size)
-    theta, v, out = w0.astype(np.float64), np.zeros(DIM), []
-    for sync in range(SYNCS):
-        delta = np.zeros(DIM)
-        for g in range(max(colors) + 1):
-            ranks = [r for r in range(size) if colors[r] == g]
-            w = theta.copy()
-            for _ in range(H):                        # inner SGD on the group's mean gradient
-                w -= LR * (w - c[ranks].mean(axis=0))
-            delta += len(ranks) / size * (theta - w)  # weighted by the group's share of ranks
-        v = delta if sync == 0 else OUTER_M * v + delta      # torch's Nesterov SGD
-        theta = theta - OUTER_LR * (delta + OUTER_M * v)
-        out.append(theta.copy())
+    groups = [[r for r in range(size) if colors[r] == g] for g in range(max(colors) + 1)]
+    theta, v, out = w0.astype(np.float64), None, []
+    ws = [theta.copy() for _ in groups]
+    for t in range(1, steps + 1):
+        for w, ranks in zip(ws, groups):                  # inner SGD on the group's mean gradient
+            w -= LR * (w - c[ranks].mean(axis=0))
+        if due(t):
+            delta = sum(len(ranks) / size * (theta - w) for w, ranks in zip(ws, groups))   # by share of ranks
+            v = delta if v is None else OUTER_M * v + delta      # torch's Nesterov SGD
+            theta = theta - OUTER_LR * (delta + OUTER_M * v)
+            ws = [theta.copy() for _ in groups]
+            out.append(theta.copy())
     return out
 
 
@@ -68,3 +69,38 @@ def test_diloco_checks_its_settings(comm):
         mt.DiLoCo([w], inner, sync_every=0, comm=comm)
     with pytest.raises(TypeError, match="inner_optimizer must be a torch optimizer"):
         mt.DiLoCo([w], "sgd", sync_every=2, comm=comm)
+
+
+def test_streaming_diloco_steps_each_fragment_on_its_own_schedule(comm):
+    """Two tensors in two fragments: w has its outer step every H steps, b every H steps from
+    step H // 2; each follows the hand-computed DiLoCo trajectory of its own schedule (the
+    loss is separable), and w's is the plain DiLoCo one above."""
+    torch.manual_seed(comm.rank)
+    w, b = torch.nn.Parameter(torch.randn(DIM)), torch.nn.Parameter(torch.randn(DIM))
+    groups = mt.make_groups(comm, group_size=2)
+    inner = mt.DistributedOptimizer([("w", w), ("b", b)], "sgd", lr=LR, comm=groups.group)
+    opt = mt.DiLoCo([("w", w), ("b", b)], inner, sync_every=H, outer_lr=OUTER_LR, outer_momentum=OUTER_M,
+                    groups=groups, fragments=2)
+    assert opt.outer.spans == [(0, DIM), (DIM, 2 * DIM)]
+    start = opt.outer.theta.copy()
+    steps = H * SYNCS
+
+    def due_b(t):
+        return t % H == H // 2
+
+    expected_w, expected_b = reference(comm.size, start[:DIM]), reference(comm.size, start[DIM:], steps, due_b)
+    c = torch.tensor(targets(comm.size)[comm.rank], dtype=torch.float32)
+    worst, k = 0.0, 0
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        (0.5 * ((w - c) ** 2).sum() + 0.5 * ((b - c) ** 2).sum()).backward()
+        opt.step()
+        if t % H == 0:
+            worst = max(worst, float(np.max(np.abs(w.detach().numpy() - expected_w[t // H - 1]))))
+        if due_b(t):
+            worst = max(worst, float(np.max(np.abs(b.detach().numpy() - expected_b[k]))))
+            k += 1
+    assert k == len(expected_b) == SYNCS and opt.round_starts == [steps, steps - H + H // 2]
+    assert comm.all(worst < 1e-5), worst
+    inner.close()
+
