@@ -23,17 +23,9 @@ import mpidist.torch as mt
 from mpidist.checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, Preemption
 from mpidist.comm import Communicator
 from mpidist.torch.checkpoint import load_checkpoint, save_checkpoint
-from mpidist.torch.models import GPT        # plain PyTorch (shared with mpidist bench torch)
+from mpidist.torch.models import GPT, windows   # plain PyTorch (shared with the benches)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def batch(text, step, rank, size, block):
-    g = torch.Generator().manual_seed(step * 100_003 + rank)
-    starts = torch.randint(0, len(text) - block - 1, (size,), generator=g)
-    x = torch.stack([text[s:s + block] for s in starts])
-    y = torch.stack([text[s + 1:s + block + 1] for s in starts])
-    return x.long(), y.long()
 
 
 def main(argv=None):
@@ -75,7 +67,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     with Preemption(comm) as pre:
         for step in range(start, args.steps):
-            x, y = batch(text, step, comm.rank, args.batch, args.block)
+            x, y = windows(text, step, comm.rank, args.batch, args.block)
             opt.zero_grad()
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()

@@ -8,13 +8,31 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import tempfile
 
 from mpidist.launcher import run
 from mpidist.simcluster import NIC, SimCluster
 
-__all__ = ["add_cluster_options", "parse_cluster", "drive"]
+__all__ = ["add_cluster_options", "parse_cluster", "drive", "free_port", "init_gloo"]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, on this host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(comm) -> None:
+    """Collective: torch.distributed's gloo group over comm's ranks, its rendezvous on
+    MASTER_ADDR (the simulated cluster's node 0; else this host) and a port rank 0 picked."""
+    import torch.distributed as dist    # optional: the torch benchmarks need it
+    port = comm.comm.bcast(free_port() if comm.rank == 0 else None, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
 
 
 def _launched() -> bool:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import numpy as np
 
-from mpidist.bench._driver import add_cluster_options, drive
+from mpidist.bench._driver import add_cluster_options, drive, init_gloo
 from mpidist.simcluster import parse_rate
 
 __all__ = ["main"]
@@ -86,12 +85,6 @@ def _data(name: str, batch: int, rank: int):
     return x, y, torch.nn.functional.cross_entropy
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ----------------------------------------------------------------------------- one world size
 def _worker(args) -> dict:
     # in the ranks only: the driver process, which starts them, must not initialise MPI, and
@@ -132,10 +125,7 @@ def _worker(args) -> dict:
         steps["torch"] = timed(net, sgd(net.parameters()))
 
     if "ddp" in args.variants:
-        port = comm.comm.bcast(_free_port() if comm.rank == 0 else None, root=0)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")   # sim cluster: its node 0
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
+        init_gloo(comm)
         ddp = torch.nn.parallel.DistributedDataParallel(
             _model(args.model), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
         nets["ddp"] = ddp.module

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from mpidist.bench._driver import free_port
 from mpidist.launcher import run
 from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
 from mpidist.optim import build_optimizer
@@ -167,9 +167,7 @@ def _torch_ddp_worker(rank, size, port, args, queue):
 
 def _torch_ddp(size, args):
     import torch.multiprocessing as mp      # optional: only for the DDP comparison
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_torch_ddp_worker, args=(size, port, args, queue), nprocs=size, join=True,

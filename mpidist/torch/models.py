@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "GPT"]
+__all__ = ["Block", "GPT", "windows"]
 
 
 class Block(nn.Module):
@@ -46,3 +46,14 @@ class GPT(nn.Module):
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         return self.head(self.ln(self.blocks(x)))
+
+
+def windows(text, step: int, rank: int, size: int, block: int):
+    """(inputs, next-byte targets): `size` random windows of `block` bytes of `text` (a
+    uint8 tensor), drawn from a generator seeded by (step, rank), so that a resumed run or
+    another variant of a benchmark sees the same data."""
+    g = torch.Generator().manual_seed(step * 100_003 + rank)
+    starts = torch.randint(0, len(text) - block - 1, (size,), generator=g)
+    x = torch.stack([text[s:s + block] for s in starts])
+    y = torch.stack([text[s + 1:s + block + 1] for s in starts])
+    return x.long(), y.long()

@@ -28,6 +28,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from mpidist import threads
 from mpidist.collectives import select
+from mpidist.collectives.fusion import worker_comm
 from mpidist.collectives.window import SharedBuffer
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
@@ -287,8 +288,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             compressed = None
             if compression not in (None, "none"):
+                # it runs on the bucket worker while backward goes on, so over its comm
                 compressed = CompressedAllreduce(make_compressor(compression, **(options or {})),
-                                                 c, nonfinite="skip")
+                                                 worker_comm(c), nonfinite="skip")
             exchange = Allreduce(self.storage, c, algorithm=self.algorithm, compressed=compressed)
         if is_onebit(self.optimizer):
             # each rank's gradient is its share of the sum, or (scaled by 1/size in the
