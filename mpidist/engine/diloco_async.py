@@ -182,8 +182,9 @@ class AsyncDiLoCo(Strategy):
         self.outer.restore(theta, done)
         xp = np if self.inner is None else self.inner.xp
         self.params[...] = xp.asarray(theta)
-        if self.inner is not None:
+        if self.inner is not None:    # the inner schedule goes on from the step (fresh moments)
             self.inner.step = self.step
+            self.inner.optimizer.step_count = int(source.scalars.get("optim_step", self.step))
             self.inner.dopt.zero_grad()
         self.finished = self.step >= self.total_steps
 

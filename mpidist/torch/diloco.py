@@ -25,15 +25,46 @@ import torch
 
 from mpidist.comm import as_communicator
 from mpidist.diloco import Groups, OuterOptimizer, make_groups
+from mpidist.diloco.asynchronous import AsyncOuter, ServerGroups, split_servers
 from mpidist.diloco.streaming import fragments_due, round_starts
 from mpidist.flat import Layout
 from mpidist.torch.params import named_parameters
 from mpidist.torch.tensors import to_numpy
 
-__all__ = ["DiLoCo", "make_groups"]
+__all__ = ["DiLoCo", "AsyncDiLoCo", "make_groups", "split_servers"]
 
 
-class DiLoCo:
+def _check_settings(sync_every, inner_optimizer, server: bool = False) -> None:
+    """ValueError for a sync_every that is not a positive int, TypeError for an inner
+    optimizer that is not a torch optimizer (a server has none)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    if not server and not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise TypeError(f"inner_optimizer must be a torch optimizer (or an mpidist.torch "
+                        f"DistributedOptimizer), got {type(inner_optimizer).__name__}")
+
+
+class _FlatModel:
+    """The model's trainable parameters and one flat float32 copy of them (the outer
+    optimizers' buffer): _gather() copies the parameters in, _scatter() back out."""
+
+    def _flatten(self, model) -> None:
+        self.params = [p for _, p in named_parameters(model) if p.requires_grad]
+        self.layout = Layout((f"p{i}", tuple(p.shape)) for i, p in enumerate(self.params))
+        self.flat = np.empty(self.layout.numel, dtype=np.float32)
+        self._gather()
+
+    def _gather(self) -> None:
+        for seg, p in zip(self.layout.segments, self.params):
+            self.flat[seg.offset:seg.stop] = to_numpy(p.data).reshape(-1)
+
+    def _scatter(self) -> None:
+        with torch.no_grad():
+            for seg, p in zip(self.layout.segments, self.params):
+                p.copy_(torch.from_numpy(self.flat[seg.offset:seg.stop].reshape(seg.shape)))
+
+
+class DiLoCo(_FlatModel):
     """Inner steps within groups of ranks, an outer step across them every sync_every steps.
 
     model: the torch module (or its named_parameters()) both optimizers train.
@@ -54,11 +85,7 @@ class DiLoCo:
     def __init__(self, model, inner_optimizer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, groups=None, outer_compression: str | None = None,
                  outer_compression_options: dict | None = None, fragments: int = 1, comm=None):
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"inner_optimizer must be a torch optimizer (or an mpidist.torch "
-                            f"DistributedOptimizer), got {type(inner_optimizer).__name__}")
+        _check_settings(sync_every, inner_optimizer)
         if isinstance(groups, Groups):
             self.groups = groups
         else:
@@ -72,12 +99,9 @@ class DiLoCo:
         g.world.raise_if_any(error)
         g.world.check_same((int(sync_every), float(outer_lr), float(outer_momentum), outer_compression, fragments),
                            "DiLoCo settings (sync_every, outer_lr, outer_momentum, outer_compression, fragments)")
-        self.params = [p for _, p in named_parameters(model) if p.requires_grad]
-        self.layout = Layout((f"p{i}", tuple(p.shape)) for i, p in enumerate(self.params))
+        self._flatten(model)
         self.inner = inner_optimizer
         self.sync_every = sync_every
-        self.flat = np.empty(self.layout.numel, dtype=np.float32)
-        self._gather()
         self.outer = OuterOptimizer(self.flat, self.layout, g, lr=outer_lr, momentum=outer_momentum,
                                     compression=outer_compression or "none",
                                     compression_options=outer_compression_options, fragments=fragments)
@@ -91,15 +115,6 @@ class DiLoCo:
     def step_in_round(self) -> int:
         """Inner steps since the last outer step (of the first fragment)."""
         return self.steps - self.round_starts[0]
-
-    def _gather(self) -> None:
-        for seg, p in zip(self.layout.segments, self.params):
-            self.flat[seg.offset:seg.stop] = to_numpy(p.data).reshape(-1)
-
-    def _scatter(self) -> None:
-        with torch.no_grad():
-            for seg, p in zip(self.layout.segments, self.params):
-                p.copy_(torch.from_numpy(self.flat[seg.offset:seg.stop].reshape(seg.shape)))
 
     def step(self, closure=None):
         """The inner step; after every sync_every of them, the outer step (collective over
@@ -142,3 +157,95 @@ class DiLoCo:
         self.outer.steps = int(state["outer_syncs"])
         self.steps, self.round_starts = int(state["steps"]), list(state["round_starts"])
         self.inner.load_state_dict(state["inner"])
+
+
+class AsyncDiLoCo(_FlatModel):
+    """DiLoCo without a barrier between groups: theta_outer on parameter-server ranks,
+    updated by delayed Nesterov as each group pushes (mpidist.diloco.asynchronous; the
+    engine's strategy "diloco_async" has the same options).
+
+        topo = split_servers(servers=1, group_size=2)      # collective
+        inner = None if topo.is_server else \
+            mt.DistributedOptimizer(model, "adamw", lr=1e-3, comm=topo.groups.group)
+        opt = AsyncDiLoCo(model, inner, topo, sync_every=500, rounds=40)
+        if opt.is_server:
+            opt.serve()                 # until every group is out of rounds
+        else:
+            while not opt.done:
+                loss_fn(model(next_x), next_y).backward()
+                opt.step()              # inner step; a push and pull after every sync_every
+                opt.zero_grad()
+        opt.close()                     # collective; every model now holds the final theta_outer
+
+    inner_optimizer: as DiLoCo's, over topo.groups.group (None on a server).
+    rounds: the budget of rounds, all groups together (a fast group takes more of them);
+    outer_lr, outer_momentum, outer_delay: delayed Nesterov (delay 0: the number of groups).
+    Construction is collective; every rank starts from world rank 0's parameters.
+    """
+
+    def __init__(self, model, inner_optimizer, topo: ServerGroups, *, sync_every: int, rounds: int,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_delay: int = 0,
+                 timeout: float = 300.0):
+        if not isinstance(topo, ServerGroups):
+            raise TypeError(f"topo must be split_servers(...)'s ServerGroups, got {type(topo).__name__}")
+        _check_settings(sync_every, inner_optimizer, server=topo.is_server)
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+        topo.world.check_same((sync_every, rounds, float(outer_lr), float(outer_momentum), outer_delay),
+                              "AsyncDiLoCo settings (sync_every, rounds, outer_lr, outer_momentum, outer_delay)")
+        self._flatten(model)
+        self.inner, self.sync_every = inner_optimizer, sync_every
+        self.outer = AsyncOuter(self.flat, self.layout, topo, rounds=rounds, lr=outer_lr,
+                                momentum=outer_momentum, delay=outer_delay, timeout=timeout)
+        self._scatter()
+        self.in_round = 0                 # inner steps in my group's current round
+        self.done = False                 # out of rounds: the model holds the final theta_outer
+
+    @property
+    def is_server(self) -> bool:
+        return self.outer.is_server
+
+    def step(self, closure=None):
+        """On a worker: the inner step, then after sync_every of them the push and the next
+        round's pull (collective over the group). Once the budget is spent, the final
+        theta_outer (collective over the world) and done; returns the inner step's result."""
+        if self.is_server or self.done:
+            raise RuntimeError("step() is for a worker with rounds left: servers serve(), and "
+                               "a worker stops once opt.done")
+        if self.outer.round < 0:          # the first round, from the current theta_outer
+            if not self.outer.begin(self.flat):
+                return self._finish()
+            self._scatter()
+        out = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.in_round += 1
+        if self.in_round >= self.sync_every:
+            self._gather()
+            more = self.outer.sync(self.flat)
+            self.in_round = 0
+            if not more:
+                self._finish()
+            self._scatter()
+        return out
+
+    def serve(self) -> None:
+        """On a server: apply the groups' pushes until every group is out of rounds, then
+        take the final theta_outer (collective over the world)."""
+        self.outer.serve()
+        self._finish()
+
+    def _finish(self) -> None:
+        self.outer.finalize(self.flat)
+        self._scatter()
+        self.done = True
+
+    def report(self) -> dict:
+        """Collective: rounds pushed per group (AsyncOuter.report)."""
+        return self.outer.report()
+
+    def close(self) -> None:
+        """Collective: free the parameter server's windows."""
+        self.outer.close()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+

@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="mpidist.torch needs PyTorch (the [torch] extra)")
 
 import mpidist.torch as mt                                     # noqa: E402
+from mpidist.torch.diloco import AsyncDiLoCo, split_servers   # noqa: E402
 from mpidist.diloco import group_colors                        # noqa: E402
 
 DIM, LR, H, SYNCS = 5, 0.1, 3, 3
@@ -18,10 +19,10 @@ def targets(size):
     return np.random.default_rng(7).standard_normal((size, DIM))
 
 
-def reference(size, w0, steps=H * SYNCS, due=lambda t: t % H == 0):
+def reference(size, w0, steps=H * SYNCS, due=lambda t: t % H == 0, group_size=2):
     """The DiLoCo trajectory by hand: theta_outer after each outer step, which come after
     the inner steps t where due(t)."""
-    colors = group_colors([0] * size, 2)
+    colors = group_colors([0] * size, group_size)
     c = targets(size)
     groups = [[r for r in range(size) if colors[r] == g] for g in range(max(colors) + 1)]
     theta, v, out = w0.astype(np.float64), None, []
@@ -103,4 +104,33 @@ def test_streaming_diloco_steps_each_fragment_on_its_own_schedule(comm):
     assert k == len(expected_b) == SYNCS and opt.round_starts == [steps, steps - H + H // 2]
     assert comm.all(worst < 1e-5), worst
     inner.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_diloco_with_one_group_follows_the_hand_computed_trajectory(comm):
+    """A server and every other rank in one group: each round pushes, the server's delayed
+    Nesterov (one push per momentum step) makes DiLoCo's outer step, and after the budget of
+    rounds every rank, the server too, holds the hand-computed theta_outer."""
+    topo = split_servers(comm, servers=1, group_size=comm.size - 1)
+    torch.manual_seed(comm.rank)
+    w = torch.nn.Parameter(torch.randn(DIM))
+    inner = None if topo.is_server else mt.DistributedOptimizer([("w", w)], "sgd", lr=LR, comm=topo.groups.group)
+    opt = AsyncDiLoCo([("w", w)], inner, topo, sync_every=H, rounds=SYNCS, outer_lr=OUTER_LR,
+                      outer_momentum=OUTER_M)
+    workers = comm.size - 1
+    expected = reference(workers, opt.flat.copy(), group_size=workers)[-1]
+    if opt.is_server:
+        opt.serve()
+    else:
+        c = torch.tensor(targets(workers)[topo.groups.group.rank], dtype=torch.float32)
+        while not opt.done:
+            opt.zero_grad()
+            (0.5 * ((w - c) ** 2).sum()).backward()
+            opt.step()
+    rounds = opt.report()["rounds"]
+    opt.close()
+    assert rounds == [SYNCS]
+    assert comm.all(np.allclose(w.detach().numpy(), expected, atol=1e-5)), (w, expected)
+    if inner is not None:
+        inner.close()
 
