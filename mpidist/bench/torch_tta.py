@@ -16,10 +16,11 @@ import numpy as np
 
 from mpidist.bench._driver import add_cluster_options, drive, init_gloo
 
-__all__ = ["main", "time_to"]
+__all__ = ["main", "time_to", "check"]
 
 VARIANTS = ("ddp", "mpidist", "powersgd", "onebit")
 WITHIN = 0.02       # a variant reaches the target once its loss is within 2% of DDP's final
+AGREE = 1e-4       # uncompressed mpidist's validation losses equal DDP's to this (relative)
 WARMUP = 2          # first steps whose time is not counted (JIT compilation, first touches)
 BLOCK = 64
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data", "sample.txt")
@@ -34,6 +35,8 @@ def _parse(argv):
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
     p.add_argument("--eval-every", type=int, default=20, help="steps between validations")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
+    p.add_argument("--powersgd-warmup", type=int, default=0,
+                   help="PowerSGD's uncompressed first steps")
     p.add_argument("--freeze-step", type=int, default=100,
                    help="1-bit Adam's uncompressed warm-up steps")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, both sides")
@@ -86,8 +89,8 @@ def _worker(args) -> dict:
     for name in ("mpidist", "powersgd"):
         if name in args.variants:
             net = nets[name] = model()
-            extra = dict(compression="powersgd", compression_options={"rank": args.rank}) \
-                if name == "powersgd" else {}
+            extra = dict(compression="powersgd", compression_options={
+                "rank": args.rank, "warmup_steps": args.powersgd_warmup}) if name == "powersgd" else {}
             opts[name] = mt.DistributedOptimizer(net, adamw(net.parameters()), comm=comm,
                                                  bucket_mb=args.bucket_mb, **extra)
     if "onebit" in args.variants:               # 1-bit Adam: its momentum compressed
@@ -144,6 +147,20 @@ def time_to(curve, target: float):
     return next(((s, t) for s, t, loss in curve if loss <= target), None)
 
 
+def check(rows) -> str | None:
+    """Why the run is void (uncompressed mpidist, the same optimizer on the same data,
+    did not follow DDP's validation losses), or None."""
+    for r in rows:
+        ddp, ours = r["curves"]["ddp"], r["curves"].get("mpidist")
+        if ours is None:
+            continue
+        worst = max(abs(a[2] - b[2]) / abs(a[2]) for a, b in zip(ddp, ours))
+        if not worst <= AGREE:
+            return (f"{r['ranks']} ranks: uncompressed mpidist's validation loss is "
+                    f"{worst:.1e} (relative) from DDP's; they train the same model alike")
+    return None
+
+
 def _report(rows, args) -> str:
     where = f"simulated cluster {args.cluster} at {args.bandwidth}" if args.cluster else "this host"
     lines = [f"GPT of jobs/torch_gpt.py (4 layers, dim 256) on {where}, batch {args.batch} "
@@ -193,5 +210,6 @@ def main(argv: list[str] | None = None) -> int:
                  ["--steps", str(args.steps), "--batch", str(args.batch), "--lr", str(args.lr),
                   "--eval-every", str(args.eval_every), "--rank", str(args.rank),
                   "--freeze-step", str(args.freeze_step),
+                  "--powersgd-warmup", str(args.powersgd_warmup),
                   "--bucket-mb", str(args.bucket_mb), "--variants", ",".join(args.variants),
-                  "--data", os.path.abspath(args.data)])
+                  "--data", os.path.abspath(args.data)], check=check)

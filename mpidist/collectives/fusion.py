@@ -29,7 +29,7 @@ from mpidist.collectives.registry import get_algorithm
 from mpidist.comm import as_communicator, on_free
 from mpidist.kernels.backend import get_array_module, handoff, take_over
 
-__all__ = ["Handle", "allreduce_async", "buckets", "submit", "worker_comm", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Handle", "allreduce_async", "buckets", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = int(os.environ.get("MPIDIST_BUCKET_BYTES", 25 << 20))
 _ASYNC_COLOR = 0x6D7064        # the worker's communicator: one split of the caller's, cached
@@ -84,22 +84,6 @@ def _stop_worker(c) -> None:
 
 
 on_free(_stop_worker)
-
-
-def worker_comm(comm=None):
-    """Collective on first use: the communicator comm's worker thread talks on (a split of
-    comm). A job given to submit() runs its collectives on it, never on comm itself, which
-    the caller's thread may be using at the same time."""
-    return _worker(as_communicator(comm)).comm
-
-
-def submit(fn, *args, comm=None) -> Handle:
-    """Run fn(*args) on comm's worker thread, in order with its allreduce_async calls (the
-    same order on every rank, so fn may call collectives on worker_comm(comm)); wait()
-    returns fn's result or raises its exception. Arrays fn works on must not be touched
-    until then."""
-    fut = _worker(as_communicator(comm)).submit(lambda _, *a: fn(*a), *args)
-    return Handle(futures=[fut], finish=fut.result)
 
 
 def buckets(arrays, bucket_bytes: int) -> list[list[int]]:

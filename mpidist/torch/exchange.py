@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from mpidist.collectives import allreduce_async
-from mpidist.collectives.fusion import submit
 from mpidist.torch.tensors import from_numpy
 
 __all__ = ["Allreduce"]
@@ -61,12 +60,11 @@ class Allreduce:
         buf = self.storage.grads[lo:hi]
         if self.storage.shared is not None:
             return self.storage.shared.allreduce_async(lo, hi, own)
-        if self.compressed is not None:      # on the worker (over worker_comm), as the rest
-            return submit(self._compressed_sum, buf, comm=self.comm)
+        if self.compressed is not None:      # in the hook: on the bucket worker beside
+            # backward it measured slower (its NumPy work competes with backward's cores)
+            return self.compressed.allreduce_async(buf, op="sum",
+                                                   layout=self.storage.layout)
         return allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
-
-    def _compressed_sum(self, buf):
-        return self.compressed.allreduce_async(buf, op="sum", layout=self.storage.layout).wait()
 
     def launched(self) -> None:
         if self.storage.shared is not None:

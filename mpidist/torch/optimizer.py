@@ -28,7 +28,6 @@ from torch.optim import optimizer as torch_optimizer
 
 from mpidist import threads
 from mpidist.collectives import select
-from mpidist.collectives.fusion import worker_comm
 from mpidist.collectives.window import SharedBuffer
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
@@ -144,7 +143,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     algorithm: the mpidist.collectives allreduce algorithm ("auto", "ring", "tree", ...).
     bucket_mb: gradient bucket size in MiB (0: one bucket after backward).
     backward_passes_per_step: backward passes summed into each step (accumulation).
-    compression: None or a compressor name of mpidist.compress, with compression_options.
+    compression: None or a compressor name of mpidist.compress, with compression_options
+      (the compressor's; "warmup_steps": N sends the first N steps uncompressed, as
+      PowerSGD's authors start).
     zero: 0 (data parallel), 1 or 2 (ZeRO stages, mpidist.torch.zero; an mpidist optimizer).
     broadcast: start from rank 0's parameters, frozen parameters, buffers and optimizer state.
     param_groups: with an optimizer name, torch-style groups ({"params": [...], name: value})
@@ -288,9 +289,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             compressed = None
             if compression not in (None, "none"):
-                # it runs on the bucket worker while backward goes on, so over its comm
-                compressed = CompressedAllreduce(make_compressor(compression, **(options or {})),
-                                                 worker_comm(c), nonfinite="skip")
+                options = dict(options or {})
+                warmup = options.pop("warmup_steps", 0)
+                compressed = CompressedAllreduce(make_compressor(compression, **options),
+                                                 c, warmup_steps=warmup,
+                                                 nonfinite="skip")
             exchange = Allreduce(self.storage, c, algorithm=self.algorithm, compressed=compressed)
         if is_onebit(self.optimizer):
             # each rank's gradient is its share of the sum, or (scaled by 1/size in the

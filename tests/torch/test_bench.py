@@ -47,6 +47,34 @@ def test_bench_torch_backend_checks_both_backends_agree(tmp_path):
     assert row["agree"] <= 1e-6 and "largest relative difference" in proc.stdout
 
 
+@pytest.mark.launcher
+@pytest.mark.timeout(400)
+def test_bench_torch_tta_follows_ddp_uncompressed(tmp_path):
+    out = tmp_path / "bench"
+    argv = [sys.executable, "-m", "mpidist", "bench", "torch_tta", "--ranks", "2", "--steps", "4",
+            "--eval-every", "2", "--batch", "2", "--freeze-step", "2", "--out", str(out)]
+    proc = subprocess.run(argv, env=without_job_variables(os.environ), timeout=360,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((out / "torch_tta.json").read_text())["rows"]
+    curves = row["curves"]
+    assert set(curves) == {"ddp", "mpidist", "powersgd", "onebit"}
+    assert all([p[0] for p in c] == [2, 4] for c in curves.values())
+    for (_, _, l_ddp), (_, _, l_ours) in zip(curves["ddp"], curves["mpidist"]):
+        assert abs(l_ddp - l_ours) <= 1e-4 * l_ddp
+    assert all(c[0][1] == 0.0 < c[1][1] for c in curves.values())   # 2 warm-up steps uncounted
+
+
+def test_time_to_a_loss_and_a_run_that_leaves_ddp_fails():
+    from mpidist.bench.torch_tta import check, time_to
+    curve = [(10, 1.0, 3.0), (20, 2.0, 2.5), (30, 3.0, 2.6)]
+    assert time_to(curve, 2.55) == (20, 2.0) and time_to(curve, 2.0) is None
+    row = {"ranks": 2, "curves": {"ddp": curve, "mpidist": curve}}
+    assert check([row]) is None
+    row["curves"]["mpidist"] = [(10, 1.0, 3.0), (20, 2.0, 2.4), (30, 3.0, 2.6)]
+    assert "from DDP's" in check([row])
+
+
 def test_a_bench_whose_variants_differ_fails():
     from mpidist.bench import torch as bench_torch
     from mpidist.bench import torch_backend

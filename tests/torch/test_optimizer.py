@@ -337,6 +337,20 @@ def test_compression_keeps_ranks_identical(comm):
     opt.close()
 
 
+def test_compression_warmup_steps_run_uncompressed(comm):
+    """compression_options={"warmup_steps": N}: the first N steps are the exact sum."""
+    data = batches(3, comm.size)
+    model, plain = make_model(), make_model()
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, compression="sign",
+                                  compression_options={"warmup_steps": 3})
+    ref = mt.DistributedOptimizer(plain, "sgd", lr=0.1, comm=comm)
+    train(opt, model, data, comm.rank)
+    train(ref, plain, data, comm.rank)
+    assert_same_params(model, plain, rtol=1e-6)
+    opt.close()
+    ref.close()
+
+
 # ---------------------------------------------------------------- bad input, every rank
 def test_models_differing_between_ranks_fail_everywhere(comm):
     if comm.size == 1:
