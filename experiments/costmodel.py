@@ -26,7 +26,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist.collectives import shm
+from mpidist.collectives import node
 from mpidist.collectives.tuning.timing import (machine_state, measure_all, round_order,
                                              state_held)
 
@@ -244,7 +244,7 @@ def probe(comm, sizes=PROBE_SIZES, reps: int | None = None,
     at most about `seconds` per level (larger sizes are then extrapolated)."""
     levels = {"world": {"p": 1, "gamma": 0.0, "fits": {}, "samples": {}}}
     if comm.size > 1:
-        flat = [a for a in FLAT if a != "shm" or shm.usable(comm)]
+        flat = [a for a in FLAT if a != "shm" or node.usable(comm)]
         levels["world"] = _probe_level(comm, flat, sizes, reps, seconds)
     hier = comm.uniform_nodes and comm.num_nodes > 1 and comm.local_size > 1
     if hier:

@@ -5,15 +5,14 @@ over the ranks: copy_scaled_finite) and checked for Inf/NaN in the same pass, so
 the finiteness of a step nor the average costs a pass of its own. copy_finite and
 all_finite work on the raw bits (uint32 for float32, uint16 for float16/bfloat16) with the
 dtype's exponent mask: an exponent field of all ones is an Inf or a NaN (an integer max
-vectorises; a float test in a branch does not). sum_finite sums and checks in one pass
-(float32/float64): v - v is 0 for a finite v and NaN otherwise, a test without a branch;
-it runs block by block (the partial sums stay in cache) without the GIL, in one call.
-See docs/ARCHITECTURE.md (PyTorch models).
+vectorises; a float test in a branch does not); copy_scaled_finite tests v - v, which is 0
+for a finite v and NaN otherwise, a test without a branch. See docs/ARCHITECTURE.md
+(PyTorch models).
 """
 import numpy as np
 from numba import njit
 
-__all__ = ["EXPONENT_MASK", "copy_finite", "copy_scaled_finite", "all_finite", "sum_finite"]
+__all__ = ["EXPONENT_MASK", "copy_finite", "copy_scaled_finite", "all_finite"]
 
 # exponent bits of each floating dtype, by name (bfloat16 is ml_dtypes')
 EXPONENT_MASK = {"float32": 0x7F800000, "float16": 0x7C00, "bfloat16": 0x7F80}
@@ -39,40 +38,6 @@ def _max(src, mask):
         t = src[i] & mask
         e = e if e > t else t
     return e
-
-
-@njit(**_OPTS)
-def _add_bad(dst, a, b):
-    bad = 0
-    for i in range(dst.shape[0]):
-        v = a[i] + b[i]
-        dst[i] = v
-        bad |= (v - v) != 0
-    return bad
-
-
-@njit(**_OPTS)
-def _acc_bad(dst, b):           # in place: dst is not also an argument (that would not vectorise)
-    bad = 0
-    for i in range(dst.shape[0]):
-        v = dst[i] + b[i]
-        dst[i] = v
-        bad |= (v - v) != 0
-    return bad
-
-
-@njit(**_OPTS)
-def _sum_bad(dst, first, others, block, in_place):
-    bad = 0
-    for x in range(0, dst.shape[0], block):
-        y = min(x + block, dst.shape[0])
-        if in_place:
-            bad |= _acc_bad(dst[x:y], others[0][x:y])
-        else:
-            bad |= _add_bad(dst[x:y], first[x:y], others[0][x:y])
-        for k in range(1, len(others)):
-            bad |= _acc_bad(dst[x:y], others[k][x:y])
-    return bad
 
 
 @njit(**_OPTS)
@@ -109,13 +74,3 @@ def all_finite(x: np.ndarray) -> bool:
     """Whether every element of the 1-D float array x is finite."""
     mask = _mask(x)
     return _max(_bits(x), mask) != mask
-
-
-def sum_finite(dst: np.ndarray, others: tuple, first: np.ndarray | None = None,
-               block: int = 1 << 16) -> bool:
-    """dst[...] = first + others[0] + others[1] + ..., added in that order, `block`
-    elements at a time (1-D, one float32 or float64 dtype; first=None: dst itself);
-    returns whether every sum is finite (an Inf or NaN among the terms gives a
-    non-finite sum)."""
-    others = tuple(others)
-    return not _sum_bad(dst, dst if first is None else first, others, block, first is None)

@@ -16,7 +16,7 @@ JOB = """
 import numpy as np
 from mpi4py import MPI
 from mpidist.collectives import allreduce
-from mpidist.collectives.window import SharedBuffer
+from mpidist.collectives.node import SharedBuffer
 from mpidist.comm import Communicator
 c = Communicator()
 x = np.ones(1000, np.float32)

@@ -23,7 +23,8 @@ from mpidist.collectives import ballot, flight
 from mpidist.collectives.flight import describe
 from mpidist.errors import MismatchError, RemoteError, format_ranks
 
-__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "describe", "digest"]
+__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "explain", "describe",
+           "digest"]
 
 MODES = ("on", "off")
 _ALIASES = {"1": "on", "0": "off", "first": "on", "always": "on"}
@@ -84,7 +85,7 @@ def check(comm, signature: tuple | None, error: BaseException | None = None, rec
     d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
     try:
         if not b.vote(d) or error is not None:
-            _explain(comm, signature, error)
+            explain(comm.comm, signature, error)
     except BaseException:
         flight.end(entry)
         raise
@@ -115,17 +116,18 @@ def check_reduce(comm, signature: tuple | None, error, x, y, op):
     try:
         k = b.vote_reduce(d, x, y, op, meta)
         if k < 0:
-            _explain(comm, signature, None)
+            explain(comm.comm, signature, None)
     except BaseException:
         flight.end(entry)
         raise
     return entry, k
 
 
-def _explain(comm, signature, error) -> None:
-    """Collective, after a failed check: exchange the signatures and raise on every rank."""
+def explain(mpi_comm, signature, error) -> None:
+    """Collective over an mpi4py communicator, after a failed check (a ballot here, a node
+    window's digests): exchange the signatures and raise on every rank, naming who differs."""
     msg = None if error is None else f"{type(error).__name__}: {error}"
-    values = comm.comm.allgather((signature, msg))
+    values = mpi_comm.allgather((signature, msg))
     bad = [r for r, (_, m) in enumerate(values) if m is not None]
     if bad:
         if error is not None:

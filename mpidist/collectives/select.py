@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-from mpidist.collectives import shm
+from mpidist.collectives import node, shm
 from mpidist.collectives.registry import ALGORITHMS
 from mpidist.sizes import format_size, parse_size
 
@@ -223,7 +223,7 @@ def choose(comm, nbytes: int) -> str:
         return rule(comm, nbytes)
     ends, names = plan[1]
     name = names[min(bisect.bisect_left(ends, nbytes), len(names) - 1)]   # past the end: last
-    if name == "shm" and not shm.usable(comm):
+    if name == "shm" and not node.usable(comm):
         return rule(comm, nbytes)
     return name
 

@@ -28,7 +28,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from mpidist import threads
 from mpidist.collectives import select
-from mpidist.collectives.window import SharedBuffer
+from mpidist.collectives.node import SharedBuffer
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
 from mpidist.flat import Layout

@@ -3,13 +3,13 @@
 Re-homing, once: the parameters are packed, in the layout's order, into one flat NumPy
 buffer and each `param.data` becomes a view of it; each `param.grad` is a view of a flat
 gradient buffer of the same layout. Nothing is copied per step. A buffer may live in a
-node's shared window (collectives.window.SharedBuffer), where the ranks reduce it in place.
+node's shared window (collectives.node.SharedBuffer), where the ranks reduce it in place.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from mpidist.collectives.window import SharedBuffer
+from mpidist.collectives.node import SharedBuffer
 from mpidist.torch.tensors import from_numpy
 
 __all__ = ["FlatStorage"]

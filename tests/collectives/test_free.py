@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpidist.collectives import allreduce, allreduce_async, fusion, shm, workspace
+from mpidist.collectives import allreduce, allreduce_async, fusion, node, workspace
+from mpidist.collectives.node import window
 from mpidist.comm import Communicator
 
 
@@ -14,10 +15,10 @@ def test_free_releases_window_worker_and_scratch():
     allreduce(x, algorithm="shm", comm=c)                  # a window where shm is usable
     allreduce(np.ones(1000, np.float16), comm=c)            # the float32 copy in scratch
     allreduce_async(x, algorithm="ring", comm=c).wait()     # c's worker thread
-    worker, window = fusion._workers[c], shm._windows.get(c)
-    assert c in workspace._buffers and (window is not None) == shm.usable(c)
+    worker, held = fusion._workers[c], window._windows.get(c)
+    assert c in workspace._buffers and (held is not None) == node.usable(c)
     c.free()
-    assert c not in workspace._buffers and c not in shm._windows and c not in fusion._workers
+    assert c not in workspace._buffers and c not in window._windows and c not in fusion._workers
     with pytest.raises(RuntimeError):                       # its thread has been shut down
         worker.pool.submit(print)
-    assert window is None or window.win == MPI.WIN_NULL
+    assert held is None or held.freed

@@ -8,7 +8,7 @@ import pytest
 
 from mpidist import ulfm
 from mpidist.bench import allreduce as bench_allreduce
-from mpidist.collectives import ALGORITHMS, allreduce, flight, select, shm
+from mpidist.collectives import ALGORITHMS, allreduce, flight, node, select, shm
 from mpidist.collectives.core import prepare_allreduce
 from mpidist.collectives.tuning import explain, tune
 from mpidist.errors import RemoteError
@@ -208,7 +208,7 @@ def test_tune_times_every_algorithm_the_benchmark_holds_auto_against(comm):
     """The tuner's candidates are the benchmark's: the registry, shm only where usable."""
     names = tune.candidates(comm)
     assert "hierarchical" in names and select.rule(comm, 64 << 20) in names
-    runnable = set(ALGORITHMS) if shm.usable(comm) else set(ALGORITHMS) - {"shm"}
+    runnable = set(ALGORITHMS) if node.usable(comm) else set(ALGORITHMS) - {"shm"}
     assert set(names) == runnable
 
 

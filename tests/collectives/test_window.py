@@ -1,8 +1,11 @@
-"""SharedBuffer: ranges of a window-resident buffer summed in place, same bits everywhere."""
+"""SharedBuffer: ranges of a window-resident buffer summed in place, same bits everywhere,
+checked like every collective."""
 import numpy as np
 import pytest
 
-from mpidist.collectives.window import SharedBuffer
+from mpidist.collectives import allreduce
+from mpidist.collectives.node import SharedBuffer
+from mpidist.errors import MismatchError, RemoteError
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -79,4 +82,43 @@ def test_own_values_replace_my_chunk_and_nonfinite_sums_are_counted(comm):
         assert buf.nonfinite == k + 1
     with pytest.raises(ValueError, match="inside this rank's chunk"):
         buf.allreduce_async(lo, hi, [(b, mine[:1])])
+    buf.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_call_that_differs_raises_on_every_rank(comm):
+    """The guard of every collective: a rank that reduces another range, or passes a range
+    outside the buffer, makes every rank raise instead of hanging; the buffer still works."""
+    if not SharedBuffer.usable(comm, np.float32):
+        pytest.skip("its ranks are on several nodes (the window is one node's)")
+    last = comm.rank == comm.size - 1
+    buf = SharedBuffer(64, np.float32, comm)
+    with pytest.raises(MismatchError, match=r"shared_allreduce\(lo=0, hi=32\)"):
+        buf.allreduce_async(0, 32 if last else 64).wait()
+    if last:
+        with pytest.raises(ValueError, match="outside"):
+            buf.allreduce_async(0, 65)
+    else:
+        with pytest.raises(RemoteError, match="outside"):
+            buf.allreduce_async(0, 64).wait()
+    buf.data[...] = 1
+    buf.allreduce_async(0, 64).wait()
+    buf.fence()
+    assert np.all(buf.data == comm.size)
+    buf.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sums_have_the_bits_of_the_shm_allreduce(comm):
+    """One reduction for the node window: the ranks' values added in rank order."""
+    if not SharedBuffer.usable(comm, np.float32):
+        pytest.skip("its ranks are on several nodes (the window is one node's)")
+    n = 70_001
+    mine = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    buf = SharedBuffer(n, np.float32, comm)
+    buf.data[...] = mine
+    a, b = buf.chunk_of(0, n)
+    buf.allreduce_async(0, n, [(a, mine[a:b].copy())]).wait()
+    buf.fence()
+    assert buf.data.tobytes() == allreduce(mine, algorithm="shm", comm=comm).tobytes()
     buf.free()

@@ -7,6 +7,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (scripts/setup_env.sh installs it)")
 import torch.distributed as dist  # noqa: E402
 
+from mpidist.collectives import flight, node, select  # noqa: E402
+from mpidist.collectives.node import reductions  # noqa: E402
+from mpidist.comm import Communicator  # noqa: E402
+from mpidist.torch.backend import Group  # noqa: E402
+
 
 def test_unimplemented_collective_names_itself(groups):
     """recv from any source is not implemented: torch's message names it and the backend."""
@@ -47,3 +52,31 @@ def test_mismatched_collectives_raise_on_every_rank(groups):
     assert time.perf_counter() - t0 < 30
     dist.all_reduce(t)                                 # and the group is still usable
     assert t[0].item() == dist.get_world_size()
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "shm", "ring"])
+def test_each_call_is_checked_once_and_auto_asks_the_table(comm, algorithm, monkeypatch):
+    """One flight record (one check) per collective, a window that grows included; the
+    window reduces an allreduce where the group's algorithm is shm, "auto" where the
+    decision table (or the rule) says shm, as for every collective."""
+    g = Group(Communicator(comm.comm), algorithm)
+    windowed, finish = [], reductions.finish
+
+    def counted(w, call):
+        windowed.append(call.x.size)
+        finish(w, call)
+    monkeypatch.setattr(reductions, "finish", counted)
+    sizes, errors = (10, 300_001, 5, 700_003), []
+    expect = [n for n in sizes if node.usable(g.comm) and (
+        algorithm == "shm" or algorithm == "auto" and select.choose(g.comm, 4 * n) == "shm")]
+    for n in sizes:
+        g.allreduce(errors.append, "sum", None, [torch.ones(n)])
+    g.broadcast(errors.append, [torch.ones(3)], 0, 0)
+    g.reduce_scatter_base(errors.append, "sum", None, torch.empty(4), torch.ones(4 * g.size))
+    g.barrier(errors.append)
+    g.shutdown()                                       # after the queued calls
+    calls = [r["call"].split("(")[0] for r in flight.records(g.comm)]
+    assert errors == [None] * 7
+    assert calls == ["torch.allreduce"] * 4 + ["torch.broadcast", "torch.reduce_scatter",
+                                               "torch.barrier"], calls
+    assert windowed == expect

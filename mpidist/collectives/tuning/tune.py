@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from mpidist.collectives import select, shm
+from mpidist.collectives import node, select
 from mpidist.collectives.registry import ALGORITHMS
 from mpidist.collectives.tuning import timing
 from mpidist.comm import Communicator, mpi_library
@@ -45,7 +45,7 @@ def candidates(comm) -> list[str]:
     set `mpidist bench allreduce` holds auto against (hierarchical included: on one node it
     runs the ring, and timing it beside the ring shows how far two timings of one code
     differ)."""
-    return [a for a in ALGORITHMS if a != "shm" or shm.usable(comm)]
+    return [a for a in ALGORITHMS if a != "shm" or node.usable(comm)]
 
 
 def behind(times: dict, names) -> dict[str, float]:

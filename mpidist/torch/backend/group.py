@@ -4,16 +4,17 @@ Communicator, done on CPU tensors seen as NumPy arrays (zero-copy views).
 The ProcessGroup (process_group.py) calls `Group.<name>(done, ...)` for each collective and
 returns a Work at once; the collective runs on the group's worker thread, in call order (the same on every
 rank), and ends with done(None) or done("Error: message"), which completes the Work and its
-future. Reductions use mpidist's algorithms (the group's `algorithm`, "auto" by default);
-on one node, float32/float64 allreduces ("auto" or "shm": DDP's buckets) are reduced in the
-group's shared window (node.py) with no MPI call; with nothing queued ahead, such a one starts
-on the calling thread and ends there when every rank has called within a short wait (else on
-the worker: _begin_here). Data movement is in moves.py. Point-to-point
+future. Reductions use mpidist's algorithms (the group's `algorithm`, "auto" by default: the
+decision table's choice, as for every collective); on one node, float32/float64 allreduces
+where that is "shm" (DDP's buckets) are reduced in the group's node window
+(collectives.node) with no MPI call; with nothing queued ahead, such a one starts on the
+calling thread and ends there when every rank has called within a short wait (else on the
+worker: _begin_here). Data movement is in moves.py. Point-to-point
 messages go on a duplicate communicator, are posted when torch calls send/recv, and complete
 on a second thread, so an exchange where both ranks send first cannot deadlock.
 
-Every collective passes the mismatch guard once (over the window on one node, else the
-check of the mpidist collective it calls, else _guarded around an MPI call): ranks that
+Every collective passes the mismatch guard once (the digests at the node window's barrier on
+one node, else guard.check), around algorithms that do not check again: ranks that
 call different collectives, or pass tensors they disagree on, raise on every rank (through
 Work.wait()) instead of hanging.
 """
@@ -27,21 +28,20 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidist.collectives import flight, guard, select, shm
+from mpidist.collectives import flight, guard, node, select
 from mpidist.collectives.arrays import as_array
 from mpidist.collectives.core import reduced_bytes, run_allreduce
+from mpidist.collectives.node import reductions
 from mpidist.collectives.ops import OPS, SUPPORTED_DTYPES, accumulator_dtype, get_op, narrow
 from mpidist.comm import Communicator
 from mpidist.torch.backend import cuda
 from mpidist.torch.backend.moves import Movement, parts
-from mpidist.torch.backend.node import DTYPES, Node
 from mpidist.torch.backend.views import bytes_view, numpy_view
 
 __all__ = ["Group"]
 
 _MPI_OPS = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
             "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR}
-_WINDOW_ALGORITHMS = ("auto", "shm")      # those whose allreduce the window does on a node
 _PATIENCE = 0.02      # seconds an allreduce begun on the caller's thread waits there for the others
 
 
@@ -78,7 +78,8 @@ class Group(Movement):
             if threaded else None
         self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch-p2p") \
             if threaded else None
-        self._node = Node(comm) if shm.usable(comm) else None   # ranks sharing one node
+        # ranks sharing one node: the guard's digests and "shm" allreduces in their window
+        self._window = node.window_of(comm) if node.usable(comm) else None
         self._lock = threading.Lock()
         self._queued = 0                        # collectives on the worker, not yet done
 
@@ -140,8 +141,8 @@ class Group(Movement):
 
     def _check(self, signature, error=None):
         """The guard's check, over the node's window where there is one (no MPI call)."""
-        if self._node is not None and guard.get_mode() != "off":
-            return self._node.check(signature, error)
+        if self._window is not None and guard.get_mode() != "off":
+            return self._window.check(signature, error)
         return guard.check(self.comm, signature, error)
 
     def _checked(self, kind: str, describe):
@@ -160,9 +161,7 @@ class Group(Movement):
             if pool is not None:
                 pool.shutdown(wait=True)
         self._pool = self._p2p_pool = None
-        if self._node is not None:
-            self._node.free()
-            self._node = None
+        self._window = None                     # freed with the communicator
         if self._p2p != MPI.COMM_NULL:
             self._p2p.Free()
         self.comm.free()
@@ -185,16 +184,25 @@ class Group(Movement):
         return x, op, scale, route, signature, error
 
     def _in_window(self, plan) -> bool:
+        """Whether the allreduce of plan runs in the node window: float32/float64, no
+        argument error, and the group's algorithm ("auto": the table's choice) is shm."""
         x, _, _, route, _, error = plan
-        return (error is None and self._node is not None and route == "mpidist"
-                and x.dtype in DTYPES and self.algorithm in _WINDOW_ALGORITHMS)
+        return (error is None and self._window is not None and route == "mpidist"
+                and x.dtype in node.DTYPES and self._algorithm_for(x) == "shm")
+
+    def _algorithm_for(self, x) -> str:
+        """The group's algorithm for reducing x ("auto": the decision table's choice)."""
+        if self.algorithm == "auto":
+            return select.choose(self.comm, reduced_bytes(x))
+        return self.algorithm
 
     def _reduce(self, op: str, factor, t: torch.Tensor, out=None) -> None:
         """Reduce t over the group, in place (or into out, a NumPy array like t's view)."""
         plan = self._plan(op, factor, t)
         x, op, scale, route, signature, error = plan
         if self._in_window(plan):
-            self._node.allreduce(x, x if out is None else out, get_op(op), signature, scale)
+            reductions.allreduce(self._window, x, x if out is None else out, get_op(op),
+                                 signature=signature, scale=scale)
             return
         with self._guarded(signature, error):
             if scale is not None:
@@ -207,12 +215,9 @@ class Group(Movement):
                                          x if out is None else out, _MPI_OPS[op])
 
     def _run_allreduce(self, x, y, op: str) -> None:
-        """mpidist's allreduce of x into y with the group's algorithm ("auto": the decision
-        table's choice), after the group's own check (so the guard runs once)."""
-        name = self.algorithm
-        if name == "auto":
-            name = select.choose(self.comm, reduced_bytes(x))
-        run_allreduce(self.comm, x, y, get_op(op), name)
+        """mpidist's allreduce of x into y with the group's algorithm, after the group's own
+        check (so the guard runs once)."""
+        run_allreduce(self.comm, x, y, get_op(op), self._algorithm_for(x))
 
     def allreduce(self, done, op, factor, tensors) -> None:
         tensors = list(tensors)
@@ -233,15 +238,16 @@ class Group(Movement):
         if self._pool is None or self._queued or t.device.type != "cpu":
             return False
         plan = self._plan(op, factor, t)
-        if not self._in_window(plan) or not self._node.fits(plan[0]):
+        if not self._in_window(plan) or not self._window.fits(plan[0].nbytes):
             return False
         x, op, scale, _, signature, _ = plan
+        w = self._window
         try:
-            call = self._node.begin(x, x, get_op(op), signature, scale)
-            if not self._node.ready(call, _PATIENCE):
-                self._submit(done, self._node.finish, call)
+            call = reductions.begin(w, x, x, get_op(op), signature=signature, scale=scale)
+            if not reductions.ready(w, call, _PATIENCE):
+                self._submit(done, reductions.finish, w, call)
                 return True
-            self._node.finish(call)
+            reductions.finish(w, call)
         except BaseException as exc:            # delivered by Work.wait() on this rank
             done(f"{type(exc).__name__}: {exc}")
         else:
