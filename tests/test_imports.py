@@ -25,7 +25,8 @@ OPTIONAL_OR_SLOW = {"cupy", "cupyx", "numba", "torch", "jax", "matplotlib", "skl
 # may defer besides: `from mpi4py import MPI` initialises MPI, which such a process must not
 # do, and h5py and NumPy would slow every command down
 STARTERS = {"mpidist.cli", "mpidist.launcher", "mpidist.simcluster", "mpidist.bench._driver",
-            "mpidist.bench.train", "mpidist.bench.torch", "mpidist.bench.torch_backend"}
+            "mpidist.bench.train", "mpidist.bench.torch", "mpidist.bench.torch_backend",
+            "mpidist.bench.torch_tta"}
 FOR_STARTERS = {"mpi4py", "h5py", "numpy"}
 
 
