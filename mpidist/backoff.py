@@ -1,7 +1,7 @@
 """Waiting for a value another process writes: poll, then sleep, doubling.
 
-A rank that waits for a counter in a shared-memory window (the window allreduce, the torch
-backend's node-local collectives) or in an RMA window (the parameter server) polls it. The
+A rank that waits for a counter in a shared-memory window (the barrier of the node window,
+collectives.node) or in an RMA window (the parameter server) polls it. The
 first polls spin, since the answer is usually microseconds away; after them each failed poll
 sleeps, doubling up to a cap, so that a waiting rank leaves its core to the ranks it waits
 for (with more ranks than cores they share one). An MPI barrier would spin on that core
