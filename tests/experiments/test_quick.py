@@ -20,6 +20,7 @@ EXPERIMENTS = {
     "consistency": (False, "final_accuracy"),
     "large_batch": (False, "test_accuracy"),
     "compression": (False, "bytes_per_step"),
+    "diloco": (True, "val_loss"),
 }
 
 
