@@ -31,6 +31,7 @@ from mpidist.collectives import select
 from mpidist.collectives.node import SharedBuffer
 from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
+from mpidist.compress.hierarchical import NodeCompressedAllreduce, spans_nodes
 from mpidist.flat import Layout
 from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.optim import build_optimizer
@@ -145,7 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     backward_passes_per_step: backward passes summed into each step (accumulation).
     compression: None or a compressor name of mpidist.compress, with compression_options
       (the compressor's; "warmup_steps": N sends the first N steps uncompressed, as
-      PowerSGD's authors start).
+      PowerSGD's authors start). On nodes of several ranks only the hop between nodes is
+      compressed (mpidist.compress.hierarchical); the sum within a node is exact.
     zero: 0 (data parallel), 1 or 2 (ZeRO stages, mpidist.torch.zero; an mpidist optimizer).
     broadcast: start from rank 0's parameters, frozen parameters, buffers and optimizer state.
     param_groups: with an optimizer name, torch-style groups ({"params": [...], name: value})
@@ -291,9 +293,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if compression not in (None, "none"):
                 options = dict(options or {})
                 warmup = options.pop("warmup_steps", 0)
-                compressed = CompressedAllreduce(make_compressor(compression, **options),
-                                                 c, warmup_steps=warmup,
-                                                 nonfinite="skip")
+                # nodes of several ranks: exact within each node, compressed between
+                kind = NodeCompressedAllreduce if spans_nodes(c) else CompressedAllreduce
+                compressed = kind(make_compressor(compression, **options), c,
+                                  warmup_steps=warmup, nonfinite="skip")
             exchange = Allreduce(self.storage, c, algorithm=self.algorithm, compressed=compressed)
         if is_onebit(self.optimizer):
             # each rank's gradient is its share of the sum, or (scaled by 1/size in the

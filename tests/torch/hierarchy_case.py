@@ -23,13 +23,15 @@ def _batch(step: int, size: int):
     return x, y
 
 
-def max_rel_diff(comm, algorithm: str = "auto", bucket_mb: float = 0.004) -> float:
+def max_rel_diff(comm, algorithm: str = "auto", bucket_mb: float = 0.004,
+                 compression=None) -> float:
     """Train STEPS steps of momentum SGD on comm (a Communicator) with small buckets (several
     per step), and the same steps in one process on the whole batch; the largest relative
     difference between the two models' parameters."""
     net, ref = _model(), _model()
     opt = mt.DistributedOptimizer(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-                                  comm=comm, bucket_mb=bucket_mb, algorithm=algorithm)
+                                  comm=comm, bucket_mb=bucket_mb, algorithm=algorithm,
+                                  compression=compression)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     lo, hi = comm.rank * BATCH, (comm.rank + 1) * BATCH
     for step in range(STEPS):

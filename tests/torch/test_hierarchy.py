@@ -17,3 +17,13 @@ def test_node_splits_equal_one_process(per_node, algorithm):
         assert max_rel_diff(comm, algorithm) <= 1e-5
     finally:
         comm.free()
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_compressed_between_nodes_stays_near_one_process(per_node):
+    """fp16 on the hop between nodes (exact within them): close to one process, not equal."""
+    comm = Communicator(ranks_per_node=per_node)
+    try:
+        assert max_rel_diff(comm, compression="fp16") <= 1e-3
+    finally:
+        comm.free()
