@@ -35,8 +35,26 @@ def verdict(summary: list[dict]) -> str:
         ok = [r["method"] for r in slow if passes(r)]
         out.append(f"- {cluster} at 100 Mbit/s: " + (
             f"**met** by {', '.join(ok)}." if ok else
-            "**not met** by any DiLoCo variant (see the table for which part fails)."))
+            "**not met** by any DiLoCo variant."))
+        for r in summary:
+            if r["cluster"] == cluster and r["method"] != "data parallel" and not passes(r):
+                out.append(f"  - {r['rate']}, {r['method']}: {_fails(r)}")
     return "\n".join(out)
+
+
+def _fails(r: dict) -> str:
+    """Which parts of the bar a run misses, in words."""
+    parts = []
+    if r["within3_vs_dp_time"] is None:
+        parts.append(f"never within 3% of data parallel's final loss (ends "
+                     f"{100 * (r['vs_dp_loss'] - 1):+.1f}%)")
+    elif r["within3_vs_dp_time"] > 0.25:
+        parts.append(f"within 3% only after {r['within3_vs_dp_time']:.2f} of DP's time")
+    if r["fewer_bytes"] < 50:
+        parts.append(f"only {r['fewer_bytes']:.0f}x fewer bytes")
+    if r["vs_dp_time"] >= 1:
+        parts.append(f"slower than DP over the whole budget ({r['vs_dp_time']:.2f}x)")
+    return "; ".join(parts) or "meets the loss, time and bytes parts"
 
 
 def section(summary: list[dict], args, out, cfg: dict) -> str:
