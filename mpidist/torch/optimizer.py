@@ -24,7 +24,6 @@ import numbers
 import time
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 from mpidist import threads
 from mpidist.collectives import select
@@ -37,6 +36,7 @@ from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.optim import build_optimizer
 from mpidist.strategy.onebit import is_onebit
 from mpidist.torch.buckets import GradientBuckets
+from mpidist.torch.bucketwise import BucketSteps, usable
 from mpidist.torch.exchange import Allreduce
 from mpidist.torch.onebit import Onebit
 from mpidist.torch.params import (bcast_tensor, broadcast_parameters, check_params,
@@ -46,12 +46,6 @@ from mpidist.torch.tensors import numpy_dtype
 from mpidist.torch.torchstate import (GroupSync, delegated, fused_defaults, fused_state_dict,
                                       group_dicts, load_fused_state)
 from mpidist.torch.zero import Zero, shard_of
-
-# torch optimizers whose step updates each parameter from its own gradient and state alone:
-# their step may run bucket by bucket (a subclass may add a global rule, so exact types)
-PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                 torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam,
-                 torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "named_parameters"]
@@ -97,12 +91,6 @@ def _check_onebit(opt, zero, compression) -> None:
     if zero == 2:
         raise ValueError(f"optimizer {opt.name!r} runs data parallel (zero=0) or with ZeRO "
                          f"stage 1 (zero=1) here; stage 2 is not built for it")
-
-
-def _global_step_hooks() -> bool:
-    """Whether step hooks are registered for every torch optimizer."""
-    return bool(getattr(torch_optimizer, "_global_optimizer_pre_hooks", None) or
-                getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
@@ -217,7 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                        passes_per_step=self.backward_passes_per_step,
                                        scale=1.0 / c.size if op == "avg" else 1.0)
         self.last_step: dict = {}
-        self._members, self._t_update = None, 0.0
+        self._by_bucket = None
         if broadcast:
             c.comm.Bcast(self.flat_params.view("u1"), root=0)
             for t in self.frozen:
@@ -340,7 +328,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t0 = time.perf_counter()
-        each, self._t_update = self._bucketwise(), 0.0
+        each = self._bucketwise()
+        spent = each.spent if each is not None else 0.0
         finite = self.buckets.synchronize(settle=False, each=each)
         t1 = time.perf_counter()
         info = {"skipped": not finite}
@@ -350,44 +339,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             info.update(self.exchange.update(self.optimizer, 1.0))
         self.exchange.settle()
         t2 = time.perf_counter()
+        overlapped = each.spent - spent if each is not None else 0.0    # updates in the wait
         self.last_step = {**info, "t_launch": self.buckets.t_launch,
-                          "t_wait": t1 - t0 - self._t_update,
-                          "t_optim": t2 - t1 + self._t_update}
+                          "t_wait": t1 - t0 - overlapped, "t_optim": t2 - t1 + overlapped}
         self.buckets.new_round()
         return loss
 
     def _bucketwise(self):
-        """The update of one bucket, for step() to run as each bucket comes back, or None
-        where the update runs once over everything: after an explicit synchronize(), for
-        an optimizer that is not known to treat each parameter apart, with step hooks on
-        it (they would run per bucket), and where the exchange updates by itself."""
-        inner = self.optimizer
-        if self.buckets.synced or len(self.buckets.buckets) == 1 or \
-                type(inner) not in PER_PARAMETER or not isinstance(self.exchange, Allreduce) \
-                or self.exchange.in_window() or inner._optimizer_step_pre_hooks or \
-                inner._optimizer_step_post_hooks or _global_step_hooks():
+        """step()'s update of one bucket as it comes back, or None (bucketwise.usable)."""
+        if self.buckets.synced or not isinstance(self.exchange, Allreduce) or \
+                self.exchange.in_window() or not usable(self.optimizer, self.buckets.buckets):
             return None
-        if self._members is None:
-            owner = {}
-            for i, (lo, hi) in enumerate(self.buckets.buckets):
-                for index, _, _ in self.layout.clip(lo, hi):
-                    owner[id(self.params[index])] = (lo, hi)
-            self._members = owner
-        return self._update_bucket
-
-    def _update_bucket(self, bounds) -> None:
-        """The wrapped torch optimizer's step over the parameters of one bucket."""
-        t0 = time.perf_counter()
-        groups = self.optimizer.param_groups
-        whole = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if self._members.get(id(p)) == bounds]
-            self.optimizer.step()
-        finally:
-            for g, params in zip(groups, whole):
-                g["params"] = params
-        self._t_update += time.perf_counter() - t0
+        if self._by_bucket is None:
+            self._by_bucket = BucketSteps(self.optimizer, self.params, self.layout,
+                                          self.buckets.buckets)
+        return self._by_bucket
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients. set_to_none: `.grad` becomes None until the next backward
