@@ -82,6 +82,8 @@ def test_hierarchical_allreduce_and_parameter_server_across_nodes():
     assert all(tx >= sent for (tx, _), sent in zip(counters, got["nic_tx_bytes"])), counters
 
 
+@pytest.mark.launcher          # one cluster, from the plain session (not one per rank)
+@pytest.mark.timeout(300)      # above the run's own 240 s
 def test_torch_across_nodes_equals_one_process():
     """mpidist.torch on 2 nodes x 2 ranks (the node's window or the hierarchical allreduce
     inside, TCP between the nodes) against one process on the global batch."""
