@@ -5,7 +5,7 @@ Models", 2023, arXiv 2311.08105): groups of workers that run H inner AdamW steps
 own data and only then average their parameter deltas (the outer gradient, applied with
 Nesterov momentum, outer lr 0.7, momentum 0.9) match fully synchronous data parallel
 training while exchanging about H times less data; Streaming DiLoCo (Douillard et al.,
-2025, arXiv 2501.18512) exchanges the model in fragments on staggered schedules. The issue
+2025, arXiv 2501.18512) exchanges the model in fragments on staggered schedules. The experiment
 asks: at 100 Mbit/s, does DiLoCo reach data parallel's final validation loss (within 3%) in
 at most 1/4 of its wall time with at least 50x fewer bytes, and where does it lose?
 
@@ -14,7 +14,7 @@ see SETTINGS), on data/sample.txt (the last 10% held out for validation), every 
 drawing its own windows per step; every variant trains for the same inner steps, so the
 same tokens. Variants: data parallel (mpidist.torch.DistributedOptimizer, AdamW over all
 ranks), DiLoCo (mpidist.torch.DiLoCo, the same AdamW within a group, one group per node)
-at three H, and streaming DiLoCo (fragments=2). Bytes per rank are counted as the issue
+at three H, and streaming DiLoCo (fragments=2). Bytes per rank are counted as the bar
 defines them (data parallel: the ring's 2(n-1)/n x 4 x params per step; DiLoCo: what its
 outer allreduce reports per sync) and the NIC counters of every simulated node are read
 beside them.

@@ -23,7 +23,7 @@ def table(summary: list[dict]) -> str:
 
 
 def passes(r: dict) -> bool:
-    """The issue's bar: DP's final loss within 3%, in <= 1/4 of DP's time, >= 50x fewer bytes."""
+    """The claim tested (DiLoCo, Douillard et al. 2023): DP's final loss within 3%, in <= 1/4 of DP's time, >= 50x fewer bytes."""
     return (r["method"] != "data parallel" and r["within3_vs_dp_time"] is not None
             and r["within3_vs_dp_time"] <= 0.25 and r["fewer_bytes"] >= 50)
 
@@ -66,7 +66,7 @@ Language Models", 2023): groups that run H inner AdamW steps and then average th
 parameter deltas with an outer Nesterov step (lr {cfg['outer_lr']}, momentum
 {cfg['outer_momentum']}) match synchronous data parallel training while sending about H times
 fewer bytes; Streaming DiLoCo (arXiv 2501.18512) sends the model in fragments on staggered
-schedules. Issue 37's bar: at 100 Mbit/s DiLoCo reaches data parallel's final validation loss
+schedules. The bar: at 100 Mbit/s DiLoCo reaches data parallel's final validation loss
 within 3% in at most 1/4 of its wall time with at least 50x fewer bytes.
 
 **Setup.** The byte-level GPT of jobs/torch_gpt.py made smaller ({cfg['layers']} layers, dim
@@ -79,7 +79,7 @@ within a group (one group per node), `mpidist.torch.DiLoCo` at H = {hs}, and str
 H = {cfg['stream_H']} with {cfg['fragments']} fragments. The paper's H = 25, 100, 500 are
 scaled down to these (its budgets are hundreds of times longer than the {cfg['steps']} steps that fit
 here): {", ".join(str(cfg['steps'] // h) for h in cfg['H'])} outer steps per run. Bytes per
-rank as the issue defines them: data parallel 2(n-1)/n x 4 x params per step, DiLoCo what
+rank as follows: data parallel 2(n-1)/n x 4 x params per step, DiLoCo what
 its outer allreduce reports; the busiest simulated NIC's counter (MB, larger direction) is
 beside them. Wall time is training alone (the validation passes are excluded); the
 "s to DP loss +3%" column is the first evaluation (every {cfg['eval_every']} steps) within 3%

@@ -5,6 +5,7 @@ collects; under mpiexec (or with --worker) it is that worker.
 See docs/BENCHMARKS.md."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -15,7 +16,8 @@ import tempfile
 from mpidist.launcher import run
 from mpidist.simcluster import NIC, SimCluster
 
-__all__ = ["add_cluster_options", "parse_cluster", "drive", "free_port", "init_gloo"]
+__all__ = ["add_cluster_options", "add_worker_options", "parse_cluster", "drive", "free_port",
+           "init_gloo"]
 
 
 def free_port() -> int:
@@ -46,6 +48,13 @@ def add_cluster_options(parser) -> None:
                         help="run on a simulated cluster of NODESxRANKS (e.g. 2x1), gloo on its NIC")
     parser.add_argument("--bandwidth", default="1gbit",
                         help="the simulated nodes' link rate, tc syntax (default 1gbit)")
+
+
+def add_worker_options(parser) -> None:
+    """--worker and --json PATH: what the driver passes to the rank processes it starts."""
+    parser.add_argument("--worker", action="store_true",
+                        help="measure at the current world size (under mpiexec)")
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
 
 
 def parse_cluster(text: str) -> str:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from mpidist.bench._driver import add_cluster_options, drive, init_gloo
+from mpidist.bench._driver import add_cluster_options, add_worker_options, drive, init_gloo
 from mpidist.simcluster import parse_rate
 
 __all__ = ["main"]
@@ -44,8 +44,7 @@ def _parse(argv):
                    help="threads per rank for torch and Numba: 1 (default), or auto: what "
                         "mpidist sets by itself under this launcher (mpidist.threads)")
     add_cluster_options(p)
-    p.add_argument("--worker", action="store_true", help="measure at the current world size (under mpiexec)")
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    add_worker_options(p)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]

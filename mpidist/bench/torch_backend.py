@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from mpidist.bench._driver import add_cluster_options, drive
+from mpidist.bench._driver import add_cluster_options, add_worker_options, drive
 
 __all__ = ["main"]
 
@@ -38,9 +38,7 @@ def _parse(argv):
                         "DDP's default, False)")
     p.add_argument("--out", default=os.path.join("results", "bench", "torch_backend"),
                    help="output directory")
-    p.add_argument("--worker", action="store_true",
-                   help="measure at the current world size (under mpiexec)")
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    add_worker_options(p)
     return p.parse_args(argv)
 
 

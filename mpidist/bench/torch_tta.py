@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from mpidist.bench._driver import add_cluster_options, drive, init_gloo
+from mpidist.bench._driver import add_cluster_options, add_worker_options, drive, init_gloo
 
 __all__ = ["main", "time_to", "check"]
 
@@ -44,8 +44,7 @@ def _parse(argv):
     p.add_argument("--data", default=DATA, help="text to train on (its last 10%%: validation)")
     p.add_argument("--out", default=os.path.join("results", "bench", "torch_tta"))
     add_cluster_options(p)
-    p.add_argument("--worker", action="store_true", help="measure at the current world size (under mpiexec)")
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    add_worker_options(p)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mpidist.bench._driver import free_port
+from mpidist.bench._driver import add_worker_options, free_port
 from mpidist.launcher import run
 from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
 from mpidist.optim import build_optimizer
@@ -38,8 +38,7 @@ def _parse(argv):
     p.add_argument("--algorithm", default="ring", help="allreduce algorithm")
     p.add_argument("--out", default=os.path.join("results", "bench", "train"), help="output directory")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch DDP comparison")
-    p.add_argument("--worker", action="store_true", help="measure at the current world size (under mpiexec)")
-    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    add_worker_options(p)
     return p.parse_args(argv)
 
 
