@@ -19,7 +19,8 @@ from numba import njit
 
 __all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode",
            "fp16_decode", "bf16_decode",
-           "sign_encode", "sign_decode_add", "qsgd_width", "qsgd_encode", "qsgd_decode_add",
+           "sign_encode", "sign_encode_feedback", "sign_decode_add", "qsgd_width", "qsgd_encode",
+           "qsgd_decode_add",
            "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add",
            # the scalar formulas, which compress_gpu compiles for the device too
            "f16_bits", "bf16_bits", "f32_bits_of_f16", "uniform", "qsgd_code"]
@@ -192,6 +193,41 @@ def bf16_decode(half, out):
 
 # ---------------------------------------------------------------- 1-bit sign, per-chunk scale
 @njit(cache=True)
+def abs_sum(x, lo, hi):
+    """sum |x[i]| over [lo, hi) in float64, as four interleaved partial sums (this order on
+    every device, so CPU and GPU scales agree to the bit)."""
+    s0 = s1 = s2 = s3 = np.float64(0.0)
+    i = lo
+    while i + 4 <= hi:
+        s0 += abs(x[i])
+        s1 += abs(x[i + 1])
+        s2 += abs(x[i + 2])
+        s3 += abs(x[i + 3])
+        i += 4
+    while i < hi:
+        s0 += abs(x[i])
+        i += 1
+    return (s0 + s1) + (s2 + s3)
+
+
+@njit(cache=True)
+def _pack_signs(x, lo, hi, packed):
+    """Bits of (x[i] >= 0) for i in [lo, hi), lo a multiple of 8: byte i // 8, bit i % 8."""
+    full = lo + (hi - lo) // 8 * 8
+    for j in range(lo // 8, full // 8):
+        base = 8 * j
+        v = np.uint8(0)
+        for t in range(8):
+            v |= np.uint8(x[base + t] >= 0) << np.uint8(t)
+        packed[j] = v
+    if full < hi:
+        v = np.uint8(0)
+        for t in range(hi - full):
+            v |= np.uint8(x[full + t] >= 0) << np.uint8(t)
+        packed[full // 8] = v
+
+
+@njit(cache=True)
 def sign_encode(x, chunk, packed, scales):
     """scale_c = mean |x| over chunk c; bit i = (x[i] >= 0), 8 per byte, bit 0 first.
 
@@ -201,17 +237,27 @@ def sign_encode(x, chunk, packed, scales):
     for c in range(scales.size):
         lo = c * chunk
         hi = min(n, lo + chunk)
-        s = np.float64(0.0)
-        for i in range(lo, hi):
-            s += abs(x[i])
-        scales[c] = s / (hi - lo)
-    for j in range(packed.size):
-        base = 8 * j
-        v = 0
-        for t in range(min(8, n - base)):
-            if x[base + t] >= 0:
-                v |= 1 << t
-        packed[j] = v
+        scales[c] = abs_sum(x, lo, hi) / (hi - lo)
+    _pack_signs(x, 0, n, packed)
+
+
+@njit(cache=True)
+def sign_encode_feedback(x, r, chunk, packed, scales):
+    """Error feedback fused: v = x + r encoded as sign_encode(v) does, and r <- v - decoded(v),
+    chunk by chunk (one pass over memory and no whole-buffer temporary; the same bits as
+    the three steps apart)."""
+    n = x.size
+    v = np.empty(chunk, np.float32)
+    for c in range(scales.size):
+        lo = c * chunk
+        hi = min(n, lo + chunk)
+        for i in range(hi - lo):
+            v[i] = x[lo + i] + r[lo + i]
+        sc = np.float32(abs_sum(v, 0, hi - lo) / (hi - lo))
+        scales[c] = sc
+        _pack_signs(v[:hi - lo], 0, hi - lo, packed[lo // 8:])
+        for i in range(hi - lo):
+            r[lo + i] = v[i] - sc if v[i] >= 0 else v[i] + sc
 
 
 @njit(cache=True)

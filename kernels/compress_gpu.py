@@ -22,7 +22,7 @@ from mpidist.kernels.backend import is_cupy
 
 __all__ = ["absmax_bits", "all_finite", "fp16_encode", "bf16_encode", "fp16_decode",
            "bf16_decode", "sign_encode",
-           "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "randomk_indices", "sample_abs",
+           "sign_encode_feedback", "sign_decode_add", "qsgd_encode", "qsgd_decode_add", "randomk_indices", "sample_abs",
            "collect_above", "select_k"]
 
 _TPB = 128
@@ -38,6 +38,7 @@ def _kernels() -> SimpleNamespace:
     bf16_bits = cuda.jit(device=True)(_cpu.bf16_bits.py_func)
     f32_bits_of_f16 = cuda.jit(device=True)(_cpu.f32_bits_of_f16.py_func)
     uniform = cuda.jit(device=True)(_cpu.uniform.py_func)
+    abs_sum = cuda.jit(device=True)(_cpu.abs_sum.py_func)
     qsgd_code = cuda.jit(device=True)(_cpu.qsgd_code.py_func)
 
     @cuda.jit
@@ -75,10 +76,7 @@ def _kernels() -> SimpleNamespace:
         if c < scales.size:
             lo = c * chunk
             hi = min(x.size, lo + chunk)
-            s = np.float64(0.0)
-            for i in range(lo, hi):
-                s += abs(x[i])
-            scales[c] = s / (hi - lo)
+            scales[c] = abs_sum(x, lo, hi) / (hi - lo)
 
     @cuda.jit
     def sign_pack(x, packed):
@@ -210,6 +208,16 @@ def sign_encode(x, chunk, packed, scales) -> None:
         K.chunk_mean_abs[_blocks(scales.size), _TPB](x, int(chunk), scales)
         K.sign_pack[_blocks(packed.size), _TPB](x, packed)
 
+
+
+def sign_encode_feedback(x, r, chunk, packed, scales) -> None:
+    """Error feedback: v = x + r encoded as sign_encode does, r <- v - decoded(v)."""
+    if x.size:
+        v = x + r
+        sign_encode(v, chunk, packed, scales)
+        kept = np.zeros_like(v)      # CuPy's, for a CuPy v
+        sign_decode_add(packed, scales, chunk, kept)
+        r[...] = v - kept
 
 def sign_decode_add(packed, scales, chunk, out) -> None:
     """Add the unpacked signs times their chunk's scale to out."""

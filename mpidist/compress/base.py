@@ -87,6 +87,8 @@ class Compressor:
     # ---------------------------------------------------------------- the interface
     def compress(self, x, layout=None):
         """(payload, ctx) of x (plus the residual, with error feedback)."""
+        if self.error_feedback and self.fuses_feedback:
+            return self._compress_fused(x, [(0, x.shape[0])], layout)[0]
         x = self.with_residual(x, layout)
         payload, ctx = self.encode(x, layout)
         self._end(x, payload, ctx)
@@ -106,6 +108,14 @@ class Compressor:
         return {"n": int(n)}
 
     def encode(self, x, layout):
+        raise NotImplementedError
+
+    # a compressor whose encode_feedback does with_residual, encode and residual_of in one
+    # pass sets this (the same results, without the whole-buffer temporaries)
+    fuses_feedback = False
+
+    def encode_feedback(self, x, residual, layout):
+        """(payload, ctx) of x + residual; residual <- (x + residual) - decompress(payload)."""
         raise NotImplementedError
 
     def decode_add(self, payload, ctx, out) -> None:
@@ -186,10 +196,22 @@ class Compressor:
             ends.append(start + count if start == ends[-1] and count >= 0 else -1)
         if ends[-1] != x.shape[0]:
             raise ValueError(f"{self.name}: pieces {pieces} do not tile {x.shape[0]} elements")
+        if self.error_feedback and self.fuses_feedback:
+            return self._compress_fused(x, pieces, None)
         x = self.with_residual(x, None)
         parts = [(start,) + self.encode(x[start:start + count], None) for start, count in pieces]
         self._end_pieces(x, parts)
         return [(payload, ctx) for _, payload, ctx in parts]
+
+    def _compress_fused(self, x, pieces, layout):
+        """compress_pieces through encode_feedback, piece by piece on views of x and of the
+        residual (one call, one step)."""
+        x = self._check(x, layout)
+        r = self.residual = self._state_like(self.residual, x)
+        out = [self.encode_feedback(x[start:start + count], r[start:start + count], layout)
+               for start, count in pieces]
+        self.step += 1
+        return out
 
     def _end(self, x, payload, ctx) -> None:
         self._end_pieces(x, [(0, payload, ctx)])

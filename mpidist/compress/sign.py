@@ -38,6 +38,16 @@ class Sign(Compressor):
         kernels_for(x).sign_encode(x, self.chunk, packed, scales)
         return (packed, scales), {"n": n}
 
+    fuses_feedback = True
+
+    def encode_feedback(self, x, residual, layout):
+        n = x.shape[0]
+        xp = get_array_module(x)
+        packed = xp.empty((n + 7) // 8, dtype=np.uint8)
+        scales = xp.empty(-(-n // self.chunk), dtype=np.float32)
+        kernels_for(x).sign_encode_feedback(x, residual, self.chunk, packed, scales)
+        return (packed, scales), {"n": n}
+
     def decode_add(self, payload, ctx, out) -> None:
         packed, scales = payload
         kernels_for(out).sign_decode_add(packed, scales, self.chunk, out)
