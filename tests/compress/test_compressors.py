@@ -122,6 +122,24 @@ def test_sign_error_identity_per_chunk():
         assert np.sum((xc - yc) ** 2) == pytest.approx(expected, rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.parametrize("n,pieces", [(64 * 20 + 21, [(0, 600), (600, 0), (600, 701)]),
+                                      (5, [(0, 5)]), (0, [(0, 0)])])
+def test_sign_fused_feedback_equals_the_steps_apart(n, pieces):
+    """The one-pass error feedback gives the bits, scales and residuals of with_residual,
+    encode and residual_of run one after the other, step after step."""
+    fused, apart = make_compressor("sign", chunk=64), make_compressor("sign", chunk=64)
+    apart.fuses_feedback = False
+    for step in range(3):
+        x = grad(n, 20 + step)
+        for (pf, _), (pa, _) in zip(fused.compress_pieces(x, pieces), apart.compress_pieces(x, pieces)):
+            assert all(np.array_equal(a, b) for a, b in zip(pf, pa))
+        assert np.array_equal(fused.residual.view(np.uint32), apart.residual.view(np.uint32))
+        assert fused.step == apart.step == step + 1
+    (pf, _), (pa, _) = fused.compress(x), apart.compress(x)
+    assert all(np.array_equal(a, b) for a, b in zip(pf, pa))
+    assert np.array_equal(fused.residual, apart.residual) and x.shape == (n,)
+
+
 @pytest.mark.parametrize("levels", [1, 7, 100])
 def test_qsgd_bound_and_packing(levels):
     bucket, x = 128, grad(128 * 10 + 40, 9)

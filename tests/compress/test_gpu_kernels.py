@@ -43,6 +43,12 @@ SIM_SCRIPT = textwrap.dedent("""
     C.sign_encode(x, 64, packed, scales)
     same("sign decode", C.sign_decode_add, G.sign_decode_add, packed, scales, 64,
          outs=[np.empty(n, np.float32)])
+    res = rng.standard_normal(n).astype(np.float32)
+    r_cpu, r_gpu = res.copy(), res.copy()
+    same("sign feedback", lambda *a: C.sign_encode_feedback(x, r_cpu, 64, *a),
+         lambda *a: G.sign_encode_feedback(x, r_gpu, 64, *a),
+         outs=[np.empty(-(-n // 8), np.uint8), np.empty(-(-n // 64), np.float32)])
+    assert np.array_equal(r_cpu, r_gpu), ("sign feedback residual", r_cpu, r_gpu)
     for levels, width in ((1, 2), (7, 4), (100, 8)):
         same("qsgd", lambda *a: C.qsgd_encode(*a[:5], a[5], a[6]),
              lambda *a: G.qsgd_encode(*a[:5], a[5], a[6]), x, levels, 64, width, 1234,
