@@ -2,7 +2,8 @@
 
 A group is a node by default (the communicator's node split: MPI's shared-memory split, or
 MPIDIST_RANKS_PER_NODE's simulated nodes), or runs of `group_size` consecutive ranks (the
-last one may be smaller). The fast links are inside a group; only the outer exchange,
+last one may be smaller), or given rank by rank (`colors`: after a lost rank, the survivors
+stay in the groups they were in). The fast links are inside a group; only the outer exchange,
 once every H steps, crosses between groups, and only one rank per group (its leader) takes
 part in it (Douillard et al. 2023, DiLoCo: one "worker" per island of accelerators).
 """
@@ -48,13 +49,21 @@ class Groups:
         return self.group.rank == 0
 
 
-def make_groups(comm=None, group_size: int = 0) -> Groups:
-    """Collective: split comm into DiLoCo groups (see the module docstring)."""
+def make_groups(comm=None, group_size: int = 0, colors=None) -> Groups:
+    """Collective: split comm into DiLoCo groups (see the module docstring).
+
+    colors: the group of every rank of comm, any numbers (the same list on every rank);
+    given, it replaces group_size's rule.
+    """
     if group_size != 0:
         group_size = positive_int("group_size", group_size)
     world = as_communicator(comm)
-    nodes = world.comm.allgather(world.node)
-    colors = group_colors(nodes, group_size)
+    if colors:
+        if len(colors) != world.size:
+            raise ValueError(f"colors must give the group of each of the {world.size} ranks, got {len(colors)}")
+        colors = group_colors(list(colors), 0)
+    else:
+        colors = group_colors(world.comm.allgather(world.node), group_size)
     index = colors[world.rank]
     group = world.split(color=index, key=world.rank)
     leaders = world.split(color=0 if group.rank == 0 else 1, key=index)

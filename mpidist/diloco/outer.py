@@ -72,18 +72,21 @@ class OuterOptimizer:
         self.steps = 0                  # outer steps taken
         self.bytes_sent = 0             # this rank's outer-exchange bytes, all syncs (leaders)
 
-    def sync(self, params, weight: float, fragments=None) -> dict:
+    def sync(self, params, weight: float, fragments=None, done=None) -> dict:
         """Collective over groups.world: one outer step of each of `fragments` (indices into
         spans; None: all). params holds this group's theta_inner on entry and the new
         theta_outer over those fragments on return; weight is w_g, this group's share of
         the round's samples (the weights of all groups sum to 1), or an array of one per
-        fragment (each fragment's round).
+        fragment (each fragment's round). done(f), if given, is called as each fragment's
+        step is taken (a caller's bookkeeping then follows it if a later exchange fails).
         Returns {"skipped": an outer step was skipped (a non-finite outer gradient),
         "bytes": what this rank sent between groups (compressed: counted exactly; float32:
         a ring's 2(G-1)/G of the buffer), "t_comm", "t_optim"}."""
         out = {"skipped": False, "bytes": 0, "t_comm": 0.0, "t_optim": 0.0}
         for f in range(len(self.spans)) if fragments is None else fragments:
             info = self._sync_span(params, float(weight[f] if getattr(weight, "ndim", 0) else weight), f)
+            if done is not None:
+                done(f)
             out["skipped"] |= info["skipped"]
             for key in ("bytes", "t_comm", "t_optim"):
                 out[key] += info[key]

@@ -168,16 +168,21 @@ def _fault_tolerance_errors(cfg: dict, given: set) -> list[str]:
     if ft == "off":
         return ["[job] shard_restore needs fault_tolerance = 'shrink'"] if "shard_restore" in given else []
     errors = []
-    if p["strategy"] not in ("dp", "zero") or (p["strategy"] == "zero" and p["stage"] not in (1, 2)):
-        errors.append("[job] fault_tolerance = 'shrink' works with strategy = 'dp' and 'zero' stage 1 or 2")
+    if p["strategy"] not in ("dp", "zero", "diloco", "local_sgd") or (p["strategy"] == "zero" and p["stage"] not in (1, 2)):
+        errors.append("[job] fault_tolerance = 'shrink' works with strategy = 'dp', 'zero' stage 1 or 2, "
+                      "'diloco' and 'local_sgd'")
     if p["compression"] != "none":
         errors.append("[job] fault_tolerance = 'shrink' does not restore compression residuals; "
                       "set [parallel] compression = 'none'")
+    if p["strategy"] in ("diloco", "local_sgd") and p["outer_compression"] != "none":
+        errors.append("[job] fault_tolerance = 'shrink' does not restore the outer exchange's residuals "
+                      "(a lost group leader takes its group's with it); set [parallel] outer_compression = 'none'")
     if p["algorithm"] == "shm":
         errors.append("[parallel] algorithm = 'shm' uses a shared-memory window, which MPI's fault "
                       "tolerance does not cover; use 'auto' or 'ring'")
     if "shard_restore" in given and p["strategy"] != "zero":
-        errors.append("[job] shard_restore applies to strategy = 'zero' (dp restores from the survivors' replicas)")
+        errors.append("[job] shard_restore applies to strategy = 'zero' (dp, diloco and local_sgd restore "
+                      "from the survivors' replicas)")
     if p["strategy"] == "zero" and cfg["job"]["shard_restore"] == "checkpoint" and cfg["checkpoint"]["interval"] == 0:
         errors.append("[job] shard_restore = 'checkpoint' needs [checkpoint] interval > 0")
     return errors

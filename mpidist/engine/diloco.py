@@ -21,6 +21,13 @@ written mid-round continues the same trajectory (up to summation order where the
 read the same rows); with another number, every group runs the rest of the round from
 theta_outer, the syncs stay at the same steps, and group g takes the inner optimizer
 state of old group g * G_old // G.
+
+Under [job] fault_tolerance = "shrink" (mpidist.ft.recovery) every rank holds theta_outer,
+its momentum and its group's whole inner state, so a lost rank costs little: the survivors
+keep their groups ([parallel] groups), take the newest outer sync any of them completed
+and, per group, the inner state of its member with the newest inner step (replica_state_dict,
+combine_replicas); a group with no survivor is dropped: its partial round never reaches
+the next outer step, whose weights are the surviving groups' shares of the samples.
 """
 from __future__ import annotations
 
@@ -32,11 +39,15 @@ from mpidist.diloco.streaming import fragments_due, round_starts
 from mpidist.engine.dp import DataParallel
 from mpidist.kernels.backend import to_numpy
 from mpidist.partition import chunk
-from mpidist.state import StateDict, TensorPiece, read_flat, read_params, replicated_pieces
+from mpidist.state import InMemoryState, StateDict, TensorPiece, read_flat, read_params, replicated_pieces
 from mpidist.strategy.base import Strategy
 from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
 
-__all__ = ["DiLoCo", "LocalSGD"]
+__all__ = ["DiLoCo", "LocalSGD", "replica_versions", "combine_replicas"]
+
+# what a group holds (its rows) and its scalars; the rest of the state is theta_outer's
+INNER_PREFIX = "diloco/"
+INNER_SCALARS = ("optim_step", "optim", "optim_extra", "inner_step", "inner_round_starts", "diloco_group")
 
 
 def _row_pieces(prefix: str, layout, flat, row: int, rows: int, rank: int, size: int) -> dict:
@@ -64,7 +75,7 @@ def _read_row(source, prefix: str, layout, out, row: int) -> None:
 class DiLoCo(Strategy):
     """DiLoCo over groups of ranks, each group an inner data-parallel job (engine.dp)."""
     name = "diloco"
-    keys = ("group_size", "sync_every", "outer_lr", "outer_momentum", "outer_compression",
+    keys = ("group_size", "groups", "sync_every", "outer_lr", "outer_momentum", "outer_compression",
             "outer_compression_options", "outer_fragments")
 
     @classmethod
@@ -85,6 +96,10 @@ class DiLoCo(Strategy):
         if parallel["outer_fragments"] > parallel["sync_every"]:
             errors.append(f"[parallel] outer_fragments = {parallel['outer_fragments']} needs sync_every >= "
                           f"{parallel['outer_fragments']} (each fragment its own step in a round)")
+        groups = parallel.get("groups")
+        if groups and world_size is not None and len(groups) != world_size:
+            errors.append(f"[parallel] groups has {len(groups)} entries: give the group of each of the "
+                          f"{world_size} ranks")
         return errors
 
     def outer_hyper(self, parallel: dict) -> tuple[float, float]:
@@ -94,7 +109,7 @@ class DiLoCo(Strategy):
     def __init__(self, config: dict, comm, meta: dict):
         super().__init__(config, comm, meta)
         p = config["parallel"]
-        self.groups = make_groups(comm, p["group_size"])
+        self.groups = make_groups(comm, p["group_size"], colors=p.get("groups"))
         self.inner = DataParallel(config, self.groups.group, meta)
         self.model, self.layout = self.inner.model, self.inner.layout
         self.sync_every = int(p["sync_every"])
@@ -118,23 +133,30 @@ class DiLoCo(Strategy):
             global_count = self.comm.comm.allreduce(0 if x is None else len(x))
         group_count = self.group_rows(global_count)
         m = self.inner.train_step(x, y, global_count=group_count)
-        self.step += 1
+        # the round's samples move with the inner state (a recovery keeps both or neither);
+        # the step counts once the job-wide exchange below is done
+        self.round += (group_count, global_count)
         # the global loss and accuracy: each group's sums once, from its leader
         stats = np.zeros(3)
         if self.groups.is_leader:
             stats[:] = (m["loss"] * m["count"], m["correct"], m["count"])
         self.comm.comm.Allreduce(np.copy(stats), stats)
-        self.round += (group_count, global_count)
+        self.step += 1
         out = {**m, "loss": stats[0] / max(stats[2], 1), "correct": int(stats[1]), "count": int(stats[2]),
                "synced": False}
         due = fragments_due(self.step, self.round_starts, self.sync_every, self.total_steps)
         if due:
-            info = self.outer.sync(self.inner.params.data, self.round[:, 0] / np.maximum(self.round[:, 1], 1), due)
-            for f in due:
-                self.round_starts[f], self.round[f] = self.step, 0
+            info = self.outer.sync(self.inner.params.data, self.round[:, 0] / np.maximum(self.round[:, 1], 1), due,
+                                   done=self._round_done)
             out.update(synced=True, fragments=due, outer_skipped=info["skipped"], outer_bytes=info["bytes"],
                        t_comm=m["t_comm"] + info["t_comm"], t_optim=m["t_optim"] + info["t_optim"])
         return out
+
+    def _round_done(self, fragment: int) -> None:
+        """A fragment's outer step is taken: its next round starts now (called by the outer
+        optimizer fragment by fragment, so that a failure in a later one leaves this one's
+        bookkeeping in step with its theta_outer)."""
+        self.round_starts[fragment], self.round[fragment] = self.step, 0
 
     def evaluate(self, x, y) -> dict:
         loss_sum = correct = 0.0
@@ -146,26 +168,41 @@ class DiLoCo(Strategy):
         return {"loss": float(totals[0]), "correct": int(totals[1]), "count": int(totals[2])}
 
     def state_dict(self) -> StateDict:
-        r, s, g = self.comm.rank, self.comm.size, self.groups
-        gr, gs = g.group.rank, g.group.size
+        g = self.groups
+        sd = self._state(self.comm.rank, self.comm.size, g.index, g.count, g.group.rank, g.group.size, g.is_leader)
+        ca = self.outer.compressed
+        if ca is not None:           # leaders only: the outer exchange's residuals, a row per group
+            sd.tensors.update(compression_pieces(ca, self.layout, g.index, g.count))
+            sd.scalars["compression"] = compression_scalars(ca)
+        return sd
+
+    def replica_state_dict(self) -> StateDict:
+        """All this rank holds, whole: theta_outer and its momentum, and its group's inner
+        state as the one row of a one-group state, marked as the loading group's own
+        ("diloco_own"; "diloco_group": [group, groups]; "inner_step"; "inner_round_starts":
+        the outer syncs the inner state follows). What a recovery agrees on and loads."""
+        sd = self._state(0, 1, 0, 1, 0, 1, True)
+        sd.scalars.update(diloco_own=True, diloco_group=[self.groups.index, self.groups.count],
+                          inner_step=self.inner.step, inner_round_starts=list(self.round_starts))
+        return sd
+
+    def _state(self, r: int, s: int, row: int, rows: int, gr: int, gs: int, leader: bool) -> StateDict:
+        """The state as rank r of s writes it, its group's inner state as row `row` of `rows`
+        (written by group rank gr of gs; the round's counts by the leader)."""
         tensors = replicated_pieces("params", self.layout, self.outer.theta, r, s)
         for name, buf in sorted(self.outer.state_buffers().items()):
             tensors.update(replicated_pieces(f"optim/outer_{name}", self.layout, buf, r, s))
-        tensors.update(_row_pieces("diloco/params", self.layout, self.inner.params.data, g.index, g.count, gr, gs))
+        tensors.update(_row_pieces("diloco/params", self.layout, self.inner.params.data, row, rows, gr, gs))
         inner = self.inner.optimizer
         for name, buf in sorted(inner.state_buffers().items()):
-            tensors.update(_row_pieces(f"diloco/optim/{name}", self.layout, buf, g.index, g.count, gr, gs))
+            tensors.update(_row_pieces(f"diloco/optim/{name}", self.layout, buf, row, rows, gr, gs))
         scalars = {"optim_step": inner.step_count, "optim": inner.name, "optim_extra": inner.extra_state(),
                    "outer_step": self.outer.step_counts[0], "outer_steps": self.outer.step_counts,
-                   "outer_syncs": self.outer.steps, "diloco_groups": g.count,
-                   "round_start": self.round_starts[0], "round_starts": self.round_starts}
-        if g.is_leader:
+                   "outer_syncs": self.outer.steps, "diloco_groups": rows,
+                   "round_start": self.round_starts[0], "round_starts": list(self.round_starts)}
+        if leader:
             width = 2 * self.fragments
-            tensors["diloco/round"] = TensorPiece((g.count, width), width * g.index, self.round.reshape(-1).copy())
-        ca = self.outer.compressed
-        if ca is not None:           # leaders only: the outer exchange's residuals, a row per group
-            tensors.update(compression_pieces(ca, self.layout, g.index, g.count))
-            scalars["compression"] = compression_scalars(ca)
+            tensors["diloco/round"] = TensorPiece((rows, width), width * row, self.round.reshape(-1).copy())
         return StateDict(self.step, tensors, scalars)
 
     def load_state_dict(self, source) -> None:
@@ -181,28 +218,41 @@ class DiLoCo(Strategy):
         self.outer.steps = int(sc.get("outer_syncs", 0))
         self.step = int(source.step)
         old = int(sc.get("diloco_groups", 0))
-        same = old == g.count and all(f"diloco/params/{seg.name}" in keys for seg in self.layout.segments)
+        own = bool(sc.get("diloco_own"))     # replica_state_dict's: my group's own inner state
+        rows = 1 if own else g.count
+        same = (own or old == g.count) and all(f"diloco/params/{seg.name}" in keys for seg in self.layout.segments)
         params = self.inner.params.data
         starts = sc.get("round_starts", [sc["round_start"]] if "round_start" in sc else [])
         self.round_starts = list(starts) if len(starts) == self.fragments else \
             round_starts(self.step, self.sync_every, self.fragments)          # the step within H
         width = 2 * self.fragments
         self.round[:] = 0
+        row = 0 if own else g.index
         if same:                     # the round goes on where it stood
-            _read_row(source, "diloco/params", self.layout, params, g.index)
-            if "diloco/round" in keys and tuple(source.shape("diloco/round")) == (g.count, width):
-                self.round[:] = np.reshape(source.read("diloco/round", width * g.index, width), (-1, 2))
+            _read_row(source, "diloco/params", self.layout, params, row)
+            if "diloco/round" in keys and tuple(source.shape("diloco/round")) == (rows, width):
+                self.round[:] = np.reshape(source.read("diloco/round", width * row, width), (-1, 2))
+            # a fragment synced since the inner state was taken: its new round from theta_outer
+            for f, started in enumerate(sc.get("inner_round_starts", self.round_starts)):
+                if started < self.round_starts[f]:
+                    lo, hi = self.outer.spans[f]
+                    params[lo:hi] = self.outer.theta[lo:hi]
+                    self.round[f] = 0
         else:                        # the rest of the round from theta_outer
             params[...] = self.outer.theta
+            row = g.index * old // g.count if old else 0
+        if own:                      # the round's total: what the groups now here trained on
+            counts = self.round[:, 0].copy() if g.is_leader else np.zeros(self.fragments)
+            self.comm.comm.Allreduce(np.copy(counts), counts)
+            self.round[:, 1] = counts
         inner = self.inner.optimizer
-        row = g.index * old // g.count if old else 0
         for name, buf in inner.state_buffers().items():
             if f"diloco/optim/{name}/{self.layout.segments[0].name}" in keys:
                 _read_row(source, f"diloco/optim/{name}", self.layout, buf, row)
         inner.step_count = int(sc.get("optim_step", source.step))
         if "optim_extra" in sc:
             inner.load_extra_state(sc["optim_extra"])
-        self.inner.step = self.step
+        self.inner.step = int(sc.get("inner_step", self.step))
         self.inner.dopt.zero_grad()
         ca = self.outer.compressed
         if ca is not None:
@@ -221,10 +271,30 @@ class DiLoCo(Strategy):
         self.inner.close()
 
 
+def replica_versions(state) -> tuple[int, int]:
+    """(outer, inner) of a replica (replica_state_dict's, or combine_replicas'): how far
+    its theta_outer is (the sum of the fragments' last sync steps: syncs come in one order
+    everywhere, so equal sums are equal syncs) and its group's inner steps."""
+    return sum(state.scalars["round_starts"]), int(state.scalars["inner_step"])
+
+
+def combine_replicas(step: int, outer, inner, group: list[int]) -> InMemoryState:
+    """One rank's state after a recovery: theta_outer and its momentum from replica `outer`,
+    the inner state from replica `inner` (its group's newest), at loop step `step`, for
+    group [index, count]; load_state_dict restarts from theta_outer the fragments synced
+    since `inner` was taken."""
+    tensors = {k: v for k, v in outer.tensors.items() if not k.startswith(INNER_PREFIX)}
+    tensors.update((k, v) for k, v in inner.tensors.items() if k.startswith(INNER_PREFIX))
+    scalars = {**outer.scalars, **{k: inner.scalars[k] for k in INNER_SCALARS if k in inner.scalars}}
+    scalars["diloco_group"] = list(group)
+    return InMemoryState(step, tensors, scalars)
+
+
 class LocalSGD(DiLoCo):
     """Local SGD: DiLoCo whose outer step is plain averaging (outer lr 1, no momentum)."""
     name = "local_sgd"
-    keys = ("group_size", "sync_every", "outer_compression", "outer_compression_options", "outer_fragments")
+    keys = ("group_size", "groups", "sync_every", "outer_compression", "outer_compression_options",
+            "outer_fragments")
 
     def outer_hyper(self, parallel: dict) -> tuple[float, float]:
         return 1.0, 0.0

@@ -38,6 +38,8 @@ _pos = dict(check=lambda v: v > 0, rule="> 0")
 _nonneg = dict(check=lambda v: v >= 0, rule=">= 0")
 _ints = dict(check=lambda v: all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in v),
              rule="a list of positive integers")
+_groups = dict(check=lambda v: all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v),
+               rule="a list of integers >= 0")
 _prob = dict(check=lambda v: 0 <= v < 1, rule="in [0, 1)")
 
 SCHEMA: dict[str, dict[str, Field]] = {
@@ -144,6 +146,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "rho": _f((int, float), 1.0, "admm: penalty parameter", **_pos),
         "group_size": _f(int, 0, "diloco/local_sgd/diloco_async: ranks per group (data parallel "
                          "inside, outer steps across); 0 = one group per node", **_nonneg),
+        "groups": _f(list, [], "diloco/local_sgd: the group of every rank, one number per rank, "
+                     "in place of group_size's rule ([] = by group_size; a recovery under "
+                     "fault_tolerance = 'shrink' sets it so that survivors keep their groups)", **_groups),
         "sync_every": _f(int, 100, "diloco/local_sgd/diloco_async: inner steps between outer steps "
                          "(H)", **_pos),
         "outer_lr": _f((int, float), 0.7, "diloco, diloco_async: outer learning rate", **_pos),

@@ -17,9 +17,12 @@ import time
 
 import mpi4py
 import numpy as np
+from mpi4py import MPI
 
 from mpidist import ulfm
 from mpidist.compress import wire
+from mpidist.diloco.groups import group_colors
+from mpidist.engine.diloco import combine_replicas, replica_versions
 from mpidist.errors import ConfigError
 from mpidist.ft.inject import KillPlan
 from mpidist.state import InMemoryState, TensorPiece, assemble_state
@@ -29,6 +32,7 @@ __all__ = ["Resilience", "SHARD_ROUTES", "replica", "pieces_cover"]
 
 SHARD_ROUTES = ("neighbour", "checkpoint")
 log = logging.getLogger("mpidist")
+_REGROUP_TAG = 77        # diloco's inner states to the survivors behind, on the shrunk communicator
 
 
 class Resilience:
@@ -50,6 +54,13 @@ class Resilience:
                                   is assembled
             zero, "checkpoint"    the newest checkpoint, read at the new size (the steps since
                                   it are redone); also the fallback when neighbours died together
+            diloco, local_sgd     ("groups") every survivor holds theta_outer and its momentum
+                                  and its group's whole inner state: theta_outer of the newest
+                                  outer sync a survivor completed (a failure inside the exchange
+                                  can leave some a sync ahead) from the lowest rank holding it;
+                                  survivors stay in their groups ([parallel] groups), each group
+                                  takes the inner state of its member with the newest inner
+                                  step; a group with no survivor is dropped (engine.diloco)
       3. rebuilds and continues   the loop body runs again on the new Communicator: strategy
                                   and partition, data split (the global batch stays the same,
                                   each survivor reads more rows), checkpoint hook, metrics
@@ -58,7 +69,8 @@ class Resilience:
 
     summary.json's "recoveries" list, per recovery: the last step completed before it, the
     lost ranks (as ranks of the job at start), the new world size, the step continued from,
-    the steps redone and the seconds from noticing the failure to the first step after it.
+    the steps redone and the seconds from noticing the failure to the first step after it;
+    for diloco also the number of groups now and the dropped groups (numbered as before).
     """
 
     def __init__(self, config: dict, comm):
@@ -75,9 +87,12 @@ class Resilience:
                               "rank's environment (python -m mpidist.launcher --ft sets it; with "
                               "mpirun add -x MPI4PY_RC_FAST_REDUCE=0)")
         self.comm = comm
-        zero = config["parallel"]["strategy"] == "zero"
-        self.route = config["job"]["shard_restore"] if zero else "replica"
+        strategy = config["parallel"]["strategy"]
+        self.route = config["job"]["shard_restore"] if strategy == "zero" else \
+            "groups" if strategy in ("diloco", "local_sgd") else "replica"
         self.recoveries: list[dict] = []
+        self._groups: list | None = None   # groups route: the survivors' groups, for the rebuilt strategy
+        self._detail: dict = {}            # groups route: what the record adds
         self._holder = None        # dp: what this rank restores from (a strategy or an InMemoryState)
         # zero: copies of the last two steps' pieces, (step, index, raw message, scalars) each
         self._mine: collections.deque = collections.deque(maxlen=2)
@@ -101,6 +116,8 @@ class Resilience:
                 if ulfm.failure_of(exc) is None and not ulfm.broken(self.comm, wait=1.0):
                     raise
                 self._recover(time.perf_counter())
+                if self.route == "groups":          # diloco: the survivors keep their groups
+                    config = {**config, "parallel": {**config["parallel"], "groups": self._groups or []}}
 
     def attach(self, strategy, hook) -> None:
         """After the loop built strategy and hook: load the agreed state (after a failure),
@@ -178,7 +195,8 @@ class Resilience:
         self._unwritten = next((r for r in records if r is not None and r.get("step") == completed), None)
         rec = {"step": completed, "lost_ranks": sorted(lost), "new_size": self.comm.size,
                "restored_from": "checkpoint" if isinstance(source, str) else
-               ("start" if source is None else self.route), "completed": completed, "t_fail": t_fail}
+               ("start" if source is None else self.route), "completed": completed, "t_fail": t_fail,
+               **self._detail}
         if self._pending is not None:          # failed again before a step completed: one record
             rec["lost_ranks"] = sorted(self._pending["lost_ranks"] + rec["lost_ranks"])
             rec["t_fail"] = self._pending["t_fail"]
@@ -193,6 +211,8 @@ class Resilience:
             return "checkpoint"
         if self.route == "neighbour":
             return self._assemble_shards()
+        if self.route == "groups":
+            return self._regroup()
         held = self._holder
         steps = self.comm.comm.allgather(-1 if held is None else held.step)
         best = max(steps)
@@ -204,6 +224,39 @@ class Resilience:
             mine = self.comm.comm.bcast(mine, root=steps.index(best))
         self._holder = mine
         return mine
+
+    # ------------------------------------------------------------------ diloco: groups
+    def _regroup(self):
+        """Collective over the survivors: this rank's state (engine.diloco.combine_replicas)
+        from the newest outer sync and its group's newest inner state; None to start afresh."""
+        held = self._holder
+        mine = None if held is None else (held if isinstance(held, InMemoryState) else replica(held))
+        c = self.comm.comm
+        me = c.Get_rank()
+        # 1. what every survivor holds: loop step, outer and inner versions, (group, groups)
+        info = c.allgather(None if mine is None else
+                           (mine.step, *replica_versions(mine), tuple(mine.scalars["diloco_group"])))
+        self._groups, self._detail = None, {}
+        if any(i is None for i in info):   # failed before every rank had a strategy: afresh
+            self._holder = None
+            return None
+        steps, outer, inner, groups = zip(*info)
+        # 2. theta_outer and its momentum of the newest sync, from the lowest rank holding it
+        newest = mine if min(outer) == max(outer) else c.bcast(mine, root=outer.index(max(outer)))
+        # 3. my group's newest inner state, from its lowest member holding it to those behind
+        mates = [r for r in range(c.Get_size()) if groups[r][0] == groups[me][0]]
+        donor = max(mates, key=lambda r: (inner[r], -r))
+        if me == donor:
+            MPI.Request.waitall([c.isend(mine, dest=r, tag=_REGROUP_TAG) for r in mates if inner[r] < inner[me]])
+        elif inner[me] < inner[donor]:
+            mine = c.recv(source=donor, tag=_REGROUP_TAG)
+        # 4. the groups now: the survivors' own, numbered afresh; those left empty are dropped
+        colors = group_colors([g for g, _ in groups], 0)
+        count = max(colors) + 1
+        self._groups = colors
+        self._detail = {"groups": count, "dropped_groups": sorted(set(range(groups[0][1])) - {g for g, _ in groups})}
+        self._holder = combine_replicas(max(steps), newest, mine, [colors[me], count])
+        return self._holder
 
     # ------------------------------------------------------------------ zero: neighbour copies
     def _pair(self, strategy) -> None:
