@@ -134,29 +134,27 @@ class DiLoCo(Strategy):
         group_count = self.group_rows(global_count)
         m = self.inner.train_step(x, y, global_count=group_count)
         # the round's samples move with the inner state (a recovery keeps both or neither);
-        # the step counts once the job-wide exchange below is done
+        # the step counts once the job-wide exchanges below are done
         self.round += (group_count, global_count)
         # the global loss and accuracy: each group's sums once, from its leader
         stats = np.zeros(3)
         if self.groups.is_leader:
             stats[:] = (m["loss"] * m["count"], m["correct"], m["count"])
         self.comm.comm.Allreduce(np.copy(stats), stats)
-        self.step += 1
+        step = self.step + 1
         out = {**m, "loss": stats[0] / max(stats[2], 1), "correct": int(stats[1]), "count": int(stats[2]),
                "synced": False}
-        due = fragments_due(self.step, self.round_starts, self.sync_every, self.total_steps)
+        due = fragments_due(step, self.round_starts, self.sync_every, self.total_steps)
         if due:
+            def round_done(f):     # fragment by fragment: in step with its theta_outer if a later one fails
+                self.round_starts[f], self.round[f] = step, 0
+
             info = self.outer.sync(self.inner.params.data, self.round[:, 0] / np.maximum(self.round[:, 1], 1), due,
-                                   done=self._round_done)
+                                   done=round_done)
             out.update(synced=True, fragments=due, outer_skipped=info["skipped"], outer_bytes=info["bytes"],
                        t_comm=m["t_comm"] + info["t_comm"], t_optim=m["t_optim"] + info["t_optim"])
+        self.step = step
         return out
-
-    def _round_done(self, fragment: int) -> None:
-        """A fragment's outer step is taken: its next round starts now (called by the outer
-        optimizer fragment by fragment, so that a failure in a later one leaves this one's
-        bookkeeping in step with its theta_outer)."""
-        self.round_starts[fragment], self.round[fragment] = self.step, 0
 
     def evaluate(self, x, y) -> dict:
         loss_sum = correct = 0.0

@@ -70,7 +70,8 @@ class Resilience:
     summary.json's "recoveries" list, per recovery: the last step completed before it, the
     lost ranks (as ranks of the job at start), the new world size, the step continued from,
     the steps redone and the seconds from noticing the failure to the first step after it;
-    for diloco also the number of groups now and the dropped groups (numbered as before).
+    for diloco also the number of groups now, the dropped groups (numbered as before) and the
+    inner step each group's kept state had reached.
     """
 
     def __init__(self, config: dict, comm):
@@ -254,7 +255,8 @@ class Resilience:
         colors = group_colors([g for g, _ in groups], 0)
         count = max(colors) + 1
         self._groups = colors
-        self._detail = {"groups": count, "dropped_groups": sorted(set(range(groups[0][1])) - {g for g, _ in groups})}
+        self._detail = {"groups": count, "dropped_groups": sorted(set(range(groups[0][1])) - {g for g, _ in groups}),
+                        "inner_steps": [max(inner[r] for r in range(len(colors)) if colors[r] == g) for g in range(count)]}
         self._holder = combine_replicas(max(steps), newest, mine, [colors[me], count])
         return self._holder
 

@@ -54,7 +54,8 @@ def test_survivors_keep_their_groups_progress_and_drop_the_lost_group(comm, monk
         # the survivors stay in their groups; a group with no survivor is dropped
         assert res._groups == group_colors(old[:lost], 0)
         dropped = [old[lost]] if old.count(old[lost]) == 1 else []
-        assert res._detail == {"groups": max(res._groups) + 1, "dropped_groups": dropped}
+        assert res._detail == {"groups": max(res._groups) + 1, "dropped_groups": dropped,
+                               "inner_steps": [FAILED_AFTER] * (max(res._groups) + 1)}
         p = {**cfg["parallel"], "groups": res._groups}
         t = build_strategy({**cfg, "parallel": p}, survivors, META)
         t.load_state_dict(state)

@@ -6,6 +6,7 @@ FT environment's Python (MPIDIST_FT_VENV, else built by `MPIDIST_MPI=ompi5-ft ba
 scripts/setup_env.sh`; the tests skip, saying why, only where it cannot be built).
 """
 import json
+import math
 import os
 import random
 import signal
@@ -48,10 +49,10 @@ def ft_python():
     return python
 
 
-def train(ft_python, out, *, kill="", kill_in_checkpoint="", sets=(), ft=True, timeout=400):
-    """The main job on 4 ranks under --with-ft ulfm; ranks die as `kill` ("RANK@STEP,...":
+def train(ft_python, out, *, kill="", kill_in_checkpoint="", sets=(), ft=True, timeout=400, n=4):
+    """The main job on n ranks under --with-ft ulfm; ranks die as `kill` ("RANK@STEP,...":
     MPIDIST_FT_KILL) and `kill_in_checkpoint` (_job.py) say."""
-    args = [ft_python, "-m", "mpidist.launcher", "--ft", "-n", "4", "--", ft_python, JOB, MAIN,
+    args = [ft_python, "-m", "mpidist.launcher", "--ft", "-n", str(n), "--", ft_python, JOB, MAIN,
             "--out", str(out), "--set", "job.progress=false", "--set", "job.plot=false"]
     if ft:
         args += ["--set", "job.fault_tolerance='shrink'"]
@@ -202,3 +203,37 @@ def test_without_fault_tolerance_a_lost_rank_ends_the_job(ft_python, tmp_path):
     assert rc != 0, log[-3000:]
     assert not (tmp_path / "summary.json").exists()
     assert ended < 30, f"the job took {ended:.1f} s to end after the kill\n{log[-3000:]}"
+
+
+DILOCO_STEPS, H = 96, 32
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy, n, group_size, killed", [("diloco", 3, 1, 2), ("local_sgd", 4, 2, 1)])
+def test_diloco_drops_a_lost_group_and_the_others_go_on(ft_python, tmp_path, strategy, n, group_size, killed):
+    """DiLoCo / local SGD, a rank killed mid-round: a group of one (diloco) is dropped, the
+    survivor of a group of two (local_sgd) carries its group on; the other groups keep their
+    round's progress and the job ends on the survivors (tests/ft/test_diloco.py checks the
+    state they keep and the next outer step's weights)."""
+    step = random.randrange(H + 2, H + 8)     # early in the second round (a step takes ms: the
+    # kill, 0-50 ms into the next step, lands some steps later)
+    what = f"{strategy}, groups of {group_size} on {n} ranks: rank {killed} killed after step {step}"
+    rc, log = train(ft_python, tmp_path, kill=f"{killed}@{step}", n=n, sets=(
+        f"parallel.strategy='{strategy}'", f"parallel.group_size={group_size}", f"parallel.sync_every={H}",
+        f"job.steps={DILOCO_STEPS}", "job.eval_every=24", "checkpoint.interval=0", "job.target_accuracy=0.9"))
+    s = summary_of(tmp_path, rc, log, what)
+    (rec,) = s["recoveries"]
+    groups = -(-n // group_size)
+    assert (s["steps"], s["ranks"], rec["lost_ranks"], rec["new_size"]) == (DILOCO_STEPS, n - 1, [killed], n - 1), \
+        (what, s)
+    assert rec["restored_from"] == "groups" and rec["steps_redone"] == 0, (what, rec)
+    whole = group_size == 1           # the killed rank was its group's only one
+    assert rec["dropped_groups"] == ([killed // group_size] if whole else []), (what, rec)
+    assert rec["groups"] == groups - whole and len(rec["inner_steps"]) == rec["groups"], (what, rec)
+    # mid-round, every group kept the inner state it had reached (one step either side)
+    assert H < rec["step"] < 2 * H, (what, "the failure missed the second round", rec)
+    assert all(abs(k - rec["step"]) <= 1 for k in rec["inner_steps"]), (what, rec)
+    assert math.isfinite(s["test_loss"]) and s["test_accuracy"] >= 0.9, (what, s)
+    steps = {json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl") if '"event": "step"' in line}
+    assert steps == set(range(1, DILOCO_STEPS + 1)), (what, "metrics lost steps", sorted(set(range(1, 97)) - steps))
+    assert "recovered: lost rank(s)" in log, what
