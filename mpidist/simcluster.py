@@ -244,12 +244,17 @@ class SimCluster:
         os.chmod(self.agent, 0o755)
 
     # ------------------------------------------------------------------ running
-    def env(self, base: dict | None = None, thread_level: str | None = None) -> dict:
+    def env(self, base: dict | None = None, thread_level: str | None = None,
+            np: int | None = None) -> dict:
         """The launch environment: mpidist's (launcher.mpi_env) plus Open MPI's wiring for
         the namespaces; real node detection (MPIDIST_RANKS_PER_NODE removed).
         thread_level: mpi4py's MPI_Init_thread level ("serialized" for one-sided windows
-        across nodes), default mpi4py's own."""
-        env = mpi_env(self.ranks_per_node, base)
+        across nodes), default mpi4py's own. np: the ranks started (default all). The
+        simulated nodes share this machine's cores, so the threads per rank (Numba's, and
+        yielding when oversubscribed) are set for all np ranks, not one node's: a rank per
+        node on 2 nodes of a 2-core machine with 2 Numba threads each leaves every fused
+        kernel's second thread spinning on the core the other rank computes on."""
+        env = mpi_env(self.size if np is None else int(np), base)
         env.pop("MPIDIST_RANKS_PER_NODE", None)
         env.update({
             "OMPI_MCA_plm": "rsh",
@@ -292,7 +297,7 @@ class SimCluster:
             raise RuntimeError("the cluster is not started; use `with SimCluster(...)` or start()")
         if capture_output:
             kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
-        with subprocess.Popen(self.argv(command, np), env=self.env(env, thread_level),
+        with subprocess.Popen(self.argv(command, np), env=self.env(env, thread_level, np),
                               start_new_session=True,
                               **kwargs) as proc:
             try:

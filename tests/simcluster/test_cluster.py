@@ -50,6 +50,20 @@ def test_without_root_start_fails_with_the_reason(monkeypatch):
     assert cluster.workdir is None
 
 
+def test_threads_per_rank_share_the_cores_among_every_node_s_ranks(monkeypatch):
+    """The simulated nodes run on this machine's cores: Numba's threads per rank are the
+    cores over all the ranks started, not over one node's."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    cluster = SimCluster(2, 1)
+    cluster.agent = "agent.sh"              # what start() writes; env() only names it
+    assert cluster.env()["NUMBA_NUM_THREADS"] == "2"
+    assert cluster.env(np=1)["NUMBA_NUM_THREADS"] == "4"
+    cluster = SimCluster(2, 4)
+    cluster.agent = "agent.sh"
+    assert cluster.env()["NUMBA_NUM_THREADS"] == "1"
+
+
 @pytest.mark.launcher
 @pytest.mark.timeout(300)
 def test_hierarchical_allreduce_and_parameter_server_across_nodes():
