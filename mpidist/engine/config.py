@@ -168,7 +168,8 @@ def _fault_tolerance_errors(cfg: dict, given: set) -> list[str]:
     if ft == "off":
         return ["[job] shard_restore needs fault_tolerance = 'shrink'"] if "shard_restore" in given else []
     errors = []
-    if p["strategy"] not in ("dp", "zero", "diloco", "local_sgd") or (p["strategy"] == "zero" and p["stage"] not in (1, 2)):
+    if p["strategy"] not in ("dp", "zero", "diloco", "local_sgd") or \
+            (p["strategy"] == "zero" and p["stage"] not in (1, 2)):
         errors.append("[job] fault_tolerance = 'shrink' works with strategy = 'dp', 'zero' stage 1 or 2, "
                       "'diloco' and 'local_sgd'")
     if p["compression"] != "none":

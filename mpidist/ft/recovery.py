@@ -255,8 +255,9 @@ class Resilience:
         colors = group_colors([g for g, _ in groups], 0)
         count = max(colors) + 1
         self._groups = colors
-        self._detail = {"groups": count, "dropped_groups": sorted(set(range(groups[0][1])) - {g for g, _ in groups}),
-                        "inner_steps": [max(inner[r] for r in range(len(colors)) if colors[r] == g) for g in range(count)]}
+        self._detail = {"groups": count,
+                        "dropped_groups": sorted(set(range(groups[0][1])) - {g for g, _ in groups}),
+                        "inner_steps": [max(k for k, c in zip(inner, colors) if c == g) for g in range(count)]}
         self._holder = combine_replicas(max(steps), newest, mine, [colors[me], count])
         return self._holder
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from mpidist.checkpoint.manager import CheckpointManager
 from mpidist.comm import Communicator
-from mpidist.diloco import group_colors
+from mpidist.diloco import group_colors, make_groups
 from mpidist.engine.config import validate
 from mpidist.engine.loop import run
 from mpidist.engine.strategies import build_strategy
@@ -31,6 +31,18 @@ def test_groups_are_nodes_or_runs_of_group_size():
     assert group_colors([3, 3, 0, 0], 0) == [0, 0, 1, 1]          # numbered by lowest rank
     assert group_colors([0] * 5, 2) == [0, 0, 1, 1, 2]
     assert group_colors([0] * 3, 8) == [0, 0, 0]
+
+
+def test_groups_given_rank_by_rank(comm):
+    """[parallel] groups (what a recovery sets: survivors stay in their groups) replaces
+    group_size's rule; the groups are numbered by their lowest rank."""
+    colors = [(comm.size - 1 - r) // 2 for r in range(comm.size)]
+    want = group_colors(colors, 0)
+    g = make_groups(comm, 2, colors=colors)
+    assert (g.index, g.count) == (want[comm.rank], max(want) + 1)
+    assert g.members == tuple(r for r in range(comm.size) if want[r] == want[comm.rank])
+    with pytest.raises(ValueError, match=f"the group of each of the {comm.size} ranks"):
+        make_groups(comm, 0, colors=[0] * (comm.size + 1))
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
@@ -197,3 +209,9 @@ def test_config_errors_name_the_outer_options():
         validate({"parallel": {"strategy": "dp", "sync_every": 5}})
     with pytest.raises(ConfigError, match="outer_compression = 'nope'"):
         validate({"parallel": {"strategy": "diloco", "outer_compression": "nope"}})
+    with pytest.raises(ConfigError, match="groups has 3 entries: give the group of each of the 4 ranks"):
+        validate({"parallel": {"strategy": "local_sgd", "groups": [0, 0, 1]}}, world_size=4)
+    with pytest.raises(ConfigError, match="groups applies to strategy = 'diloco' or 'local_sgd'"):
+        validate({"parallel": {"strategy": "dp", "groups": [0]}})
+    with pytest.raises(ConfigError, match="a list of integers >= 0"):
+        validate({"parallel": {"strategy": "diloco", "groups": [0, -1]}})

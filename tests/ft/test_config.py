@@ -33,12 +33,15 @@ def errors_of(raw) -> str:
     return str(info.value)
 
 
-def test_off_by_default_and_shrink_accepted_for_dp_and_zero():
+def test_off_by_default_and_shrink_accepted_for_dp_zero_diloco_and_local_sgd():
     assert validate(main_job(), name="t")["job"]["fault_tolerance"] == "off"
     validate(main_job(job={"fault_tolerance": "shrink"}), name="t")
     for route in ("neighbour", "checkpoint"):
         validate(main_job(job={"fault_tolerance": "shrink", "shard_restore": route},
                           parallel={"strategy": "zero", "stage": 2}), name="t")
+    for strategy in ("diloco", "local_sgd"):
+        validate(main_job(job={"fault_tolerance": "shrink"}, parallel={"strategy": strategy, "group_size": 2,
+                                                                       "outer_fragments": 2}), name="t")
 
 
 def test_what_shrink_cannot_recover_is_refused_with_every_reason():
@@ -48,6 +51,10 @@ def test_what_shrink_cannot_recover_is_refused_with_every_reason():
     assert "algorithm = 'shm'" in errors_of(main_job(job={"fault_tolerance": "shrink"},
                                                      parallel={"algorithm": "shm"}))
     assert "needs fault_tolerance = 'shrink'" in errors_of(main_job(job={"shard_restore": "checkpoint"}))
+    assert "outer_compression = 'none'" in errors_of(
+        main_job(job={"fault_tolerance": "shrink"}, parallel={"strategy": "diloco", "outer_compression": "sign"}))
+    assert "'diloco' and 'local_sgd'" in errors_of(
+        main_job(job={"fault_tolerance": "shrink"}, parallel={"strategy": "diloco_async"}))
     assert "applies to strategy = 'zero'" in errors_of(
         main_job(job={"fault_tolerance": "shrink", "shard_restore": "neighbour"}))
     assert "interval > 0" in errors_of(main_job(job={"fault_tolerance": "shrink", "shard_restore": "checkpoint"},
