@@ -8,6 +8,7 @@
         loss_fn(model(x), y).backward()
         opt.step()                  # the inner step; every sync_every steps also the outer one
         opt.zero_grad()
+    opt.finish()                    # the rounds still open end now: every model is theta_outer
 
 The inner step is the inner optimizer's, data parallel within the group (mpidist.torch's
 DistributedOptimizer over groups.group; a plain torch optimizer makes every rank its own
@@ -135,6 +136,13 @@ class DiLoCo(_FlatModel):
         for f in range(len(self.round_starts)) if fragments is None else fragments:
             self.round_starts[f] = self.steps
         return self.last_sync
+
+    def finish(self) -> dict | None:
+        """Collective, after the last inner step: the outer step of every fragment whose
+        round is not over at this step, so that every rank's model ends on theta_outer
+        (as the engine's job does). Returns that sync's report (or the last one)."""
+        late = [f for f, start in enumerate(self.round_starts) if start != self.steps]
+        return self.sync(late) if late else self.last_sync
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)

@@ -103,6 +103,17 @@ def test_streaming_diloco_steps_each_fragment_on_its_own_schedule(comm):
             k += 1
     assert k == len(expected_b) == SYNCS and opt.round_starts == [steps, steps - H + H // 2]
     assert comm.all(worst < 1e-5), worst
+    # finish(): b's open round ends now, with an outer step as if one were due at the last
+    # step; w's round is over and w stays; afterwards every rank holds theta_outer
+    final_b = reference(comm.size, start[DIM:], steps, lambda t: due_b(t) or t == steps)[-1]
+    finished = opt.finish()
+    assert opt.round_starts == [steps, steps] and finished is opt.last_sync
+    everyone = comm.comm.allgather(np.concatenate([w.detach().numpy(), b.detach().numpy()]))
+    assert all(np.array_equal(v, everyone[0]) for v in everyone)
+    assert np.allclose(everyone[0], opt.outer.theta)
+    assert comm.all(np.allclose(w.detach().numpy(), expected_w[-1], atol=1e-5) and
+                    np.allclose(b.detach().numpy(), final_b, atol=1e-5))
+    assert opt.finish() is finished            # nothing left open: no further sync
     inner.close()
 
 
