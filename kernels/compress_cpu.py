@@ -3,7 +3,7 @@ fp16/bf16 casts also serve the collectives, which reduce half precision in float
 (NumPy's own float16 casts run a scalar loop, slower than these bit manipulations).
 
 The per-element formulas are leaf scalar functions (`f16_bits`, `bf16_bits`,
-`f32_bits_of_f16`, `uniform`, `qsgd_code`) that call nothing else, so the GPU module
+`f32_bits_of_f16`, `uniform`, `qsgd_code`, `abs_sum`) that call nothing else, so the GPU module
 compiles the very same Python source (`.py_func`) with numba.cuda: the formula is written
 once for both devices.
 
@@ -17,13 +17,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode",
-           "fp16_decode", "bf16_decode",
-           "sign_encode", "sign_encode_feedback", "sign_decode_add", "qsgd_width", "qsgd_encode",
-           "qsgd_decode_add",
-           "randomk_indices", "sample_abs", "collect_above", "select_k", "scatter_add",
+__all__ = ["absmax_bits", "all_finite", "fp16_encode", "fp16_decode_add", "bf16_encode", "fp16_decode",
+           "bf16_decode", "sign_encode", "sign_encode_feedback", "sign_decode_add", "qsgd_width",
+           "qsgd_encode", "qsgd_decode_add", "randomk_indices", "sample_abs", "collect_above", "select_k",
+           "scatter_add",
            # the scalar formulas, which compress_gpu compiles for the device too
-           "f16_bits", "bf16_bits", "f32_bits_of_f16", "uniform", "qsgd_code"]
+           "f16_bits", "bf16_bits", "f32_bits_of_f16", "uniform", "qsgd_code", "abs_sum"]
 _ABS = np.uint32(0x7FFFFFFF)
 _INF32 = np.uint32(0x7F800000)
 
@@ -243,9 +242,8 @@ def sign_encode(x, chunk, packed, scales):
 
 @njit(cache=True)
 def sign_encode_feedback(x, r, chunk, packed, scales):
-    """Error feedback fused: v = x + r encoded as sign_encode(v) does, and r <- v - decoded(v),
-    chunk by chunk (one pass over memory and no whole-buffer temporary; the same bits as
-    the three steps apart)."""
+    """Error feedback fused: v = x + r encoded as sign_encode(v) does, r <- v - decoded(v),
+    chunk by chunk: one pass, no whole-buffer temporary, the bits of the steps apart."""
     n = x.size
     v = np.empty(chunk, np.float32)
     for c in range(scales.size):
