@@ -249,11 +249,9 @@ class SimCluster:
         """The launch environment: mpidist's (launcher.mpi_env) plus Open MPI's wiring for
         the namespaces; real node detection (MPIDIST_RANKS_PER_NODE removed).
         thread_level: mpi4py's MPI_Init_thread level ("serialized" for one-sided windows
-        across nodes), default mpi4py's own. np: the ranks started (default all). The
-        simulated nodes share this machine's cores, so the threads per rank (Numba's, and
-        yielding when oversubscribed) are set for all np ranks, not one node's: a rank per
-        node on 2 nodes of a 2-core machine with 2 Numba threads each leaves every fused
-        kernel's second thread spinning on the core the other rank computes on."""
+        across nodes), default mpi4py's own. np: the ranks started (default all). The nodes
+        share this machine's cores, so threads per rank are set for all np ranks, not one
+        node's (else a fused kernel's extra threads spin where another rank computes)."""
         env = mpi_env(self.size if np is None else int(np), base)
         env.pop("MPIDIST_RANKS_PER_NODE", None)
         env.update({
@@ -353,9 +351,8 @@ class SimCluster:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mpidist.simcluster`: run a command on a simulated cluster; returns its exit code."""
-    parser = argparse.ArgumentParser(
-        prog="python -m mpidist.simcluster",
-        description="Run a command on a simulated cluster of network namespaces (root).")
+    parser = argparse.ArgumentParser(prog="python -m mpidist.simcluster", description="Run a "
+                                     "command on a simulated cluster of network namespaces (root).")
     parser.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--bandwidth", default="1gbit",

@@ -25,8 +25,8 @@ state of old group g * G_old // G.
 Under [job] fault_tolerance = "shrink" (mpidist.ft.recovery) every rank holds theta_outer,
 its momentum and its group's whole inner state, so a lost rank costs little: the survivors
 keep their groups ([parallel] groups), take the newest outer sync any of them completed
-and, per group, the inner state of its member with the newest inner step (replica_state_dict,
-combine_replicas); a group with no survivor is dropped: its partial round never reaches
+and, per group, the inner state of its member with the newest inner step (replica_state_dict;
+mpidist.diloco.replicas); a group with no survivor is dropped: its partial round never reaches
 the next outer step, whose weights are the surviving groups' shares of the samples.
 """
 from __future__ import annotations
@@ -39,15 +39,11 @@ from mpidist.diloco.streaming import fragments_due, round_starts
 from mpidist.engine.dp import DataParallel
 from mpidist.kernels.backend import to_numpy
 from mpidist.partition import chunk
-from mpidist.state import InMemoryState, StateDict, TensorPiece, read_flat, read_params, replicated_pieces
+from mpidist.state import StateDict, TensorPiece, read_flat, read_params, replicated_pieces
 from mpidist.strategy.base import Strategy
 from mpidist.strategy.compression_state import compression_pieces, compression_scalars, restore_compression
 
-__all__ = ["DiLoCo", "LocalSGD", "replica_versions", "combine_replicas"]
-
-# what a group holds (its rows) and its scalars; the rest of the state is theta_outer's
-INNER_PREFIX = "diloco/"
-INNER_SCALARS = ("optim_step", "optim", "optim_extra", "inner_step", "inner_round_starts", "diloco_group")
+__all__ = ["DiLoCo", "LocalSGD"]
 
 
 def _row_pieces(prefix: str, layout, flat, row: int, rows: int, rank: int, size: int) -> dict:
@@ -267,25 +263,6 @@ class DiLoCo(Strategy):
 
     def close(self) -> None:
         self.inner.close()
-
-
-def replica_versions(state) -> tuple[int, int]:
-    """(outer, inner) of a replica (replica_state_dict's, or combine_replicas'): how far
-    its theta_outer is (the sum of the fragments' last sync steps: syncs come in one order
-    everywhere, so equal sums are equal syncs) and its group's inner steps."""
-    return sum(state.scalars["round_starts"]), int(state.scalars["inner_step"])
-
-
-def combine_replicas(step: int, outer, inner, group: list[int]) -> InMemoryState:
-    """One rank's state after a recovery: theta_outer and its momentum from replica `outer`,
-    the inner state from replica `inner` (its group's newest), at loop step `step`, for
-    group [index, count]; load_state_dict restarts from theta_outer the fragments synced
-    since `inner` was taken."""
-    tensors = {k: v for k, v in outer.tensors.items() if not k.startswith(INNER_PREFIX)}
-    tensors.update((k, v) for k, v in inner.tensors.items() if k.startswith(INNER_PREFIX))
-    scalars = {**outer.scalars, **{k: inner.scalars[k] for k in INNER_SCALARS if k in inner.scalars}}
-    scalars["diloco_group"] = list(group)
-    return InMemoryState(step, tensors, scalars)
 
 
 class LocalSGD(DiLoCo):

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from mpidist import ulfm
 from mpidist.compress import wire
 from mpidist.diloco.groups import group_colors
-from mpidist.engine.diloco import combine_replicas, replica_versions
+from mpidist.diloco.replicas import combine_replicas, replica_versions
 from mpidist.errors import ConfigError
 from mpidist.ft.inject import KillPlan
 from mpidist.state import InMemoryState, TensorPiece, assemble_state
