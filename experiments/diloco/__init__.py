@@ -27,11 +27,16 @@ Modules, each importing only those listed after it:
     worker   inside the MPI job: every variant's training run with its curve
 """
 NAME = "diloco"
-# The token budget per rank (STEPS x BATCH windows of BLOCK bytes) and the GPT, small
-# enough that every run of the full experiment fits in about 15 minutes of a 2-core VM.
-# The paper's H = 25, 100, 500 are scaled by 1/5 (its budgets are ~100x longer than these
-# 200 steps): 40, 10 and 2 outer steps per run.
-SETTINGS = {"steps": 200, "batch": 4, "block": 64, "dim": 128, "layers": 2, "heads": 4,
-            "lr": 3e-3, "outer_lr": 0.7, "outer_momentum": 0.9, "eval_every": 20,
-            "eval_windows": 32, "H": (5, 20, 100), "stream_H": 20, "fragments": 2}
-QUICK = {"steps": 40, "eval_every": 10, "H": (5, 20), "stream_H": 20}
+# The token budget (STEPS x BATCH windows of BLOCK bytes, the batch split evenly among
+# the ranks, so every cluster shape trains on the same tokens) and the GPT: small
+# enough that both cluster shapes at both rates fit in about 25 minutes of a 2-core VM,
+# large enough that data parallel's per-step allreduce at 100 Mbit/s takes several times
+# the step's compute. The paper's H = 25, 100, 500 unscaled: 40, 10 and 2 outer steps.
+# Every run (data parallel and the inner AdamW alike) follows the paper's learning-rate
+# shape: linear warm-up, then cosine decay, here to a tenth of the peak.
+SETTINGS = {"steps": 1000, "batch": 8, "block": 64, "dim": 128, "layers": 2, "heads": 4,
+            "lr": 3e-3, "warmup": 50, "end_lr": 3e-4, "outer_lr": 0.7,
+            "outer_momentum": 0.9, "eval_every": 25, "eval_windows": 32,
+            "H": (25, 100, 500), "stream_H": 100, "fragments": 2}
+QUICK = {"steps": 40, "warmup": 5, "eval_every": 10, "H": (5, 20), "stream_H": 20}
+SHAPES = "2x1,2x2"        # cluster shapes NODESxRANKS of a default run

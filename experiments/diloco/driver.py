@@ -8,7 +8,7 @@ import time
 
 import experiments.diloco as package
 from experiments import common
-from experiments.diloco import NAME, QUICK, SETTINGS, worker
+from experiments.diloco import NAME, QUICK, SETTINGS, SHAPES, worker
 from experiments.diloco.plot import plot
 from experiments.diloco.report import section
 from experiments.diloco.rows import curve_rows, summary_rows
@@ -18,9 +18,8 @@ RATES = ("100mbit", "1gbit")
 
 def main(argv=None) -> int:
     p = common.parser(NAME, package.__doc__)
-    p.add_argument("--shapes", default=None,
-                   help="cluster shapes NODESxRANKS, comma-separated (default 2x1; 2x2 as well "
-                        "if time allows)")
+    p.add_argument("--shapes", default=SHAPES,
+                   help=f"cluster shapes NODESxRANKS, comma-separated (default {SHAPES})")
     args = p.parse_args(argv)
     if args.worker:
         worker.main(args.worker)
@@ -29,8 +28,7 @@ def main(argv=None) -> int:
     from mpidist.simcluster import SimCluster
     out = common.Outputs(NAME, args)
     cfg = dict(SETTINGS, **(QUICK if args.quick else {}))
-    shapes = args.shapes or "2x1"
-    shapes = [tuple(int(v) for v in s.split("x")) for s in shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     t0 = time.perf_counter()
     results = []
     for nodes, per_node in shapes:

@@ -6,6 +6,7 @@ import json
 import time
 
 from experiments import common
+from mpidist.optim.lr_schedules import LRSchedule
 
 
 def variants(cfg: dict) -> list[tuple[str, int, int]]:
@@ -25,7 +26,8 @@ def _val_batch(text, cfg: dict):
 
 
 def _run(world, method: str, H: int, fragments: int, cfg: dict, train, val) -> dict:
-    """One training run: its curve (step, seconds, bytes per rank, validation loss)."""
+    """One training run: its curve (step, seconds, bytes per rank, validation loss of this
+    rank's model: mid-round, its group's inner model)."""
     import torch
     import torch.nn.functional as F
     import mpidist.torch as mt
@@ -45,6 +47,9 @@ def _run(world, method: str, H: int, fragments: int, cfg: dict, train, val) -> d
                         outer_momentum=cfg["outer_momentum"], groups=groups,
                         fragments=fragments)
     ring = 2 * (world.size - 1) / world.size * 4 * params       # DP: bytes per step per rank
+    per_rank = cfg["batch"] // world.size       # the same tokens per step at every shape
+    lr = LRSchedule("cosine", cfg["lr"], cfg["steps"], warmup_steps=cfg["warmup"],
+                    end_lr=cfg["end_lr"])
 
     def sent() -> float:
         return ring * step if method == "dp" else float(opt.outer.bytes_sent)
@@ -62,7 +67,9 @@ def _run(world, method: str, H: int, fragments: int, cfg: dict, train, val) -> d
     nic0 = nic_bytes() if world.local_rank == 0 else None
     for step in range(1, cfg["steps"] + 1):
         t0 = time.perf_counter()
-        x, y = windows(train, step, world.rank, cfg["batch"], cfg["block"])
+        x, y = windows(train, step, world.rank, per_rank, cfg["block"])
+        for group in inner.param_groups:                    # DP's, or DiLoCo's inner one
+            group["lr"] = lr(step - 1)
         opt.zero_grad()
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         opt.step()
@@ -98,6 +105,9 @@ def main(spec: str) -> None:
     cfg = json.loads(spec)
     torch.set_num_threads(1)
     world = Communicator()
+    if cfg["batch"] % world.size:
+        raise ValueError(f"batch ({cfg['batch']} windows a step) must split evenly among the "
+                         f"{world.size} ranks")
     with open(f"{common.REPO}/data/sample.txt", "rb") as fh:
         text = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8)
     cut = len(text) * 9 // 10
