@@ -18,8 +18,9 @@ RATES = ("100mbit", "1gbit")
 
 def main(argv=None) -> int:
     p = common.parser(NAME, package.__doc__)
-    p.add_argument("--shapes", default=SHAPES,
-                   help=f"cluster shapes NODESxRANKS, comma-separated (default {SHAPES})")
+    p.add_argument("--shapes", default=None,
+                   help=f"cluster shapes NODESxRANKS, comma-separated (default {SHAPES}; "
+                        f"--quick: {SHAPES.split(',')[0]}, a check that the outputs are written)")
     args = p.parse_args(argv)
     if args.worker:
         worker.main(args.worker)
@@ -28,7 +29,8 @@ def main(argv=None) -> int:
     from mpidist.simcluster import SimCluster
     out = common.Outputs(NAME, args)
     cfg = dict(SETTINGS, **(QUICK if args.quick else {}))
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    given = args.shapes or (SHAPES.split(",")[0] if args.quick else SHAPES)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in given.split(",")]
     t0 = time.perf_counter()
     results = []
     for nodes, per_node in shapes:

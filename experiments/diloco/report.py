@@ -119,7 +119,7 @@ def notes(cfg: dict) -> str:
 def section(summary: list[dict], args, out, cfg: dict) -> str:
     hs = ", ".join(str(h) for h in cfg["H"])
     command = common.command_line(NAME, args) + (
-        "" if args.shapes == SHAPES else f" --shapes {args.shapes}")
+        "" if args.shapes in (None, SHAPES) else f" --shapes {args.shapes}")
     shapes = ", ".join(dict.fromkeys(r["cluster"] for r in summary))
     return f"""## 6. DiLoCo matches data parallel with far fewer bytes on slow links (Douillard et al., arXiv 2311.08105)
 
