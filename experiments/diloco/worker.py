@@ -74,10 +74,7 @@ def _run(world, method: str, H: int, fragments: int, cfg: dict, train, val) -> d
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         opt.step()
         if step == cfg["steps"] and method != "dp":
-            # the budget's end: fragments whose outer step is not due now take it too
-            late = [f for f, s in enumerate(opt.round_starts) if s != step]
-            if late:
-                opt.sync(late)
+            opt.finish()         # the budget's end: rounds still open take their outer step
         seconds += time.perf_counter() - t0
         if step % cfg["eval_every"] == 0 or step == cfg["steps"]:
             curve.append((step, seconds, sent(), val_loss()))   # the clock stops for it
