@@ -149,7 +149,8 @@ training alone (the validation passes are excluded); the validation loss is rank
 (mid-round: its group's inner model; at the end every run is on theta_outer), and
 "s to DP loss +3%" is the first evaluation (every {cfg['eval_every']} steps) from which the
 run stays within 3% of data parallel's final loss to the end of its budget. Machine: {common.machine()}; the whole run took
-{cfg['took']:.0f} s.
+{cfg['took']:.0f} s. All simulated nodes share the machine's cores: a shape with more ranks than
+cores (2x2 on 2 cores) is reported for its losses and bytes, its seconds are not a speed claim.
 
 **Command.** `{command}` (CSV: `{'docs/experiments/diloco.csv' if out.full else out.csv}`,
 one row per evaluation of every run).
