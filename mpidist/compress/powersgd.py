@@ -150,6 +150,24 @@ class PowerSGD(Compressor):
             out[off:off + size] += p[d:d + size]
             d += size
 
+    def decompress(self, payload, ctx, out=None):
+        """P^ Q^T per matrix and the dense segments, written straight into a new vector
+        (the segments tile it: no zeroing, no temporary per matrix); added into out if given."""
+        if out is not None:
+            return super().decompress(payload, ctx, out)
+        p, q = payload
+        plan, r = ctx["plan"], self.rank
+        xp = get_array_module(p)
+        out = xp.empty(ctx["n"], dtype=np.float32)
+        for off, rows, cols, po, qo in plan.matrices:
+            xp.matmul(p[po:po + rows * r].reshape(rows, r), q[qo:qo + cols * r].reshape(cols, r).T,
+                      out=out[off:off + rows * cols].reshape(rows, cols))
+        d = plan.p_size - sum(s for _, s in plan.dense)
+        for off, size in plan.dense:
+            out[off:off + size] = p[d:d + size]
+            d += size
+        return out
+
     def reduce(self, x, layout, allreduce_sum):
         """Sum over ranks of C_i(x_i) = P^ Q^T (plus the dense segments summed)."""
         x = self.with_residual(x, layout)
