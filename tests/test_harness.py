@@ -178,6 +178,7 @@ def _cmdline(pid: str) -> str:
         return ""
 
 
+@pytest.mark.launcher
 def test_without_ssh_open_mpi_launches_locally(tmp_path, monkeypatch):
     """Open MPI 4 refuses to start even local ranks where no ssh or rsh is on PATH
     (containers): there the launcher picks its isolated (local) launcher, and ranks start."""
