@@ -88,6 +88,7 @@ class Compressor:
     def compress(self, x, layout=None):
         """(payload, ctx) of x (plus the residual, with error feedback)."""
         if self.error_feedback and self.fuses_feedback:
+            x = self._check(x, layout)
             return self._compress_fused(x, [(0, x.shape[0])], layout)[0]
         x = self.with_residual(x, layout)
         payload, ctx = self.encode(x, layout)
@@ -115,7 +116,8 @@ class Compressor:
     fuses_feedback = False
 
     def encode_feedback(self, x, residual, layout):
-        """(payload, ctx) of x + residual; residual <- (x + residual) - decompress(payload)."""
+        """(payload, ctx) of x + residual; residual <- (x + residual) - decompress(payload).
+        Called only where fuses_feedback is set; other compressors do the steps apart."""
         raise NotImplementedError
 
     def decode_add(self, payload, ctx, out) -> None:
@@ -197,16 +199,15 @@ class Compressor:
         if ends[-1] != x.shape[0]:
             raise ValueError(f"{self.name}: pieces {pieces} do not tile {x.shape[0]} elements")
         if self.error_feedback and self.fuses_feedback:
-            return self._compress_fused(x, pieces, None)
+            return self._compress_fused(self._check(x, None), pieces, None)
         x = self.with_residual(x, None)
         parts = [(start,) + self.encode(x[start:start + count], None) for start, count in pieces]
         self._end_pieces(x, parts)
         return [(payload, ctx) for _, payload, ctx in parts]
 
     def _compress_fused(self, x, pieces, layout):
-        """compress_pieces through encode_feedback, piece by piece on views of x and of the
-        residual (one call, one step)."""
-        x = self._check(x, layout)
+        """compress_pieces through encode_feedback, piece by piece on views of x (checked)
+        and of the residual (one call, one step)."""
         r = self.residual = self._state_like(self.residual, x)
         out = [self.encode_feedback(x[start:start + count], r[start:start + count], layout)
                for start, count in pieces]
