@@ -17,6 +17,7 @@ import traceback
 import mpidist
 import mpidist.bench
 from mpidist import threads
+from mpidist.errors import abort_job
 from mpidist.launcher import main as launch
 from mpidist.launcher import unwired_launch
 
@@ -155,4 +156,4 @@ def _abort_job(cmd: str) -> None:
         return
     print(f"mpidist {cmd}: unexpected error on rank {mpi.COMM_WORLD.Get_rank()}, aborting the "
           f"job\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-    mpi.COMM_WORLD.Abort(1)
+    abort_job(1, mpi.COMM_WORLD)

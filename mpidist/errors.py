@@ -1,12 +1,22 @@
 """Exceptions that mpidist raises on every rank at once, so no rank is left waiting, the one
 way their messages name ranks, and `agree_or_raise`: the one collective that turns a failure
-on some ranks into an exception on all of them.
+on some ranks into an exception on all of them, and `abort_job`: the one way a rank ends the
+whole job when it cannot tell the others.
 
 This module imports nothing of mpidist, so every layer can use it.
 """
 
-__all__ = ["format_ranks", "format_failures", "agree_or_raise", "MismatchError", "RemoteError",
-           "ConfigError"]
+import faulthandler
+import logging
+import os
+import sys
+
+from mpi4py import MPI
+
+__all__ = ["format_ranks", "format_failures", "agree_or_raise", "abort_job", "MismatchError",
+           "RemoteError", "ConfigError"]
+
+ABORT_GRACE = 5.0      # seconds MPI_Abort gets before this rank leaves on its own
 
 
 def format_ranks(ranks) -> str:
@@ -70,3 +80,30 @@ def agree_or_raise(comm, exc, remote: type = RemoteError, *, share=None) -> list
     err = remote(format_failures(failures))
     err.failures = failures
     raise err
+
+
+def abort_job(code: int = 1, comm=None):
+    """End the whole job from this rank: MPI_Abort on `comm` (COMM_WORLD where None).
+
+    MPI_Abort does not always return or end the job: Open MPI 5 with a rank already lost
+    sometimes waits in it forever, holding the GIL. faulthandler's watchdog, a C thread
+    that needs no GIL, then ends this rank with exit status 1 after ABORT_GRACE seconds;
+    the launcher takes that exit as the job's end, and a rank still running sees this one
+    gone at its next call. Logs and streams are flushed first, so the reason is kept. Under
+    the launcher's `--ft` the code also goes to the file MPIDIST_ABORT_NOTE names, which
+    makes it the job's exit status however mpiexec ends (mpidist.launcher)."""
+    note = os.environ.get("MPIDIST_ABORT_NOTE")
+    if note:
+        try:
+            with open(note, "a") as fh:
+                fh.write(f"{int(code)}\n")
+        except OSError:
+            pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    faulthandler.dump_traceback_later(ABORT_GRACE, exit=True, file=open(os.devnull, "w"))
+    getattr(comm, "comm", comm or MPI.COMM_WORLD).Abort(code)

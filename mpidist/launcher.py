@@ -24,6 +24,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 __all__ = ["cma_permitted", "ft_supported", "unwired_launch", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
 
@@ -125,8 +127,10 @@ def _oversubscribed(n: int) -> bool:
 
 
 def without_job_variables(env: dict) -> dict:
-    """env less the MPI job's wiring (OMPI_, OPAL_, PMIX_, PMI_ variables): as from a shell."""
-    return {k: v for k, v in env.items() if not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_"))}
+    """env less the MPI job's wiring (OMPI_, OPAL_, PMIX_, PMI_ variables, and the launcher's
+    MPIDIST_ABORT_NOTE): as from a shell."""
+    return {k: v for k, v in env.items()
+            if not k.startswith(("OMPI_", "OPAL_", "PMIX_", "PMI_")) and k != "MPIDIST_ABORT_NOTE"}
 
 
 def mpi_env(n: int = 1, base: dict | None = None, ft: bool = False) -> dict:
@@ -259,7 +263,45 @@ def main(argv: list[str] | None = None) -> int:
                      "FT environment with `MPIDIST_MPI=ompi5-ft bash scripts/setup_env.sh` and run "
                      "from it (source <its path>/bin/activate)")
     cmd = mpiexec_argv(args.np, command, ft=args.ft)
+    if args.ft:
+        return _supervise(cmd, mpi_env(args.np, ft=True))
     os.execvpe(cmd[0], cmd, mpi_env(args.np, ft=args.ft))
+
+
+ABORT_GRACE = 10.0     # seconds mpiexec gets to end the job once a rank has aborted it
+
+
+def _supervise(cmd: list[str], env: dict) -> int:
+    """Run mpiexec as a child and return the job's exit status (`--ft`).
+
+    With ULFM on, Open MPI 5's mpiexec sometimes never returns after a rank's MPI_Abort,
+    with every rank gone, or returns 0 from it. A rank that aborts the job
+    (errors.abort_job) first writes its exit code to the file MPIDIST_ABORT_NOTE names;
+    once it has, mpiexec gets ABORT_GRACE seconds before its session is ended, and the job
+    ends with that code. Signals to the launcher go on to mpiexec."""
+    fd, note = tempfile.mkstemp(prefix="mpidist-abort-")
+    os.close(fd)
+    proc = subprocess.Popen(cmd, env=dict(env, MPIDIST_ABORT_NOTE=note), start_new_session=True)
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+    before = {sig: signal.signal(sig, lambda signum, _frame: proc.send_signal(signum))
+              for sig in forwarded}
+    aborted = None
+    try:
+        while proc.poll() is None:
+            time.sleep(0.2)
+            if aborted is None and os.path.getsize(note):
+                aborted = time.monotonic()
+            if aborted is not None and time.monotonic() - aborted > ABORT_GRACE:
+                print(f"mpidist launcher: mpiexec had not ended {ABORT_GRACE:g} s after a rank "
+                      "aborted the job; ending it", file=sys.stderr, flush=True)
+                _end_session(proc)
+        with open(note) as fh:
+            codes = [int(line) for line in fh if line.strip().lstrip("-").isdigit()]
+    finally:
+        os.unlink(note)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return next((c for c in codes if c), 1) if codes else proc.returncode
 
 
 if __name__ == "__main__":

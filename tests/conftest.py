@@ -5,7 +5,9 @@ The suite runs with plain `pytest` (one rank) and under `mpiexec -n N python -m 
   on any rank fails the test on every rank, naming the ranks, so no rank reports a pass
   that another contradicts, and no rank runs ahead into the next test's collectives.
 - Per-test timeouts (pytest-timeout, thread method) kill a deadlocked rank, which makes
-  mpiexec abort the whole job: a deadlock fails instead of hanging CI.
+  mpiexec abort the whole job: a deadlock fails instead of hanging CI. Shortly before,
+  every rank writes where its threads wait to stacks-rank<R>.txt in MPIDIST_TEST_LOGDIR,
+  since the first rank to time out ends the job and only its stack would be seen.
 - The `comm` fixture is a fresh mpidist Communicator. In the files the `every_comm` ini
   option names (setup.cfg), a test that takes it runs three times, on the communicators a
   host code with its own communicator would pass: the world's duplicate (`[world]`),
@@ -22,6 +24,7 @@ The suite runs with plain `pytest` (one rank) and under `mpiexec -n N python -m 
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import sys
@@ -34,6 +37,9 @@ _WORLD = MPI.COMM_WORLD
 _HARNESS = _WORLD.Dup()          # the harness's own channel: never mixed with test traffic
 RANK, SIZE = _HARNESS.Get_rank(), _HARNESS.Get_size()
 _RANK_LOG = None                 # ranks > 0: the file their report goes to
+_STACKS = None                   # where this rank's stacks go if a test nears its timeout
+STACK_LEAD = 20                  # seconds before the timeout that the stacks are written
+                                 # (a quarter of it for timeouts under 80 s)
 
 # the host code's sub-communicator (first max(p-1, 1) ranks), made once, and the harness's
 # channel among its members
@@ -63,11 +69,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "world(reason): `comm` is the world's duplicate only, "
                                        "in a file where it would also be COMM_SELF and a "
                                        "sub-communicator")
+    logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
+    if logdir:
+        os.makedirs(logdir, exist_ok=True)
+        if SIZE > 1:
+            global _STACKS
+            _STACKS = open(os.path.join(logdir, f"stacks-rank{RANK}.txt"), "w")
     if RANK != 0:
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
-        logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
-        if logdir:
-            os.makedirs(logdir, exist_ok=True)
         path = os.path.join(logdir, f"rank{RANK}.log") if logdir else os.devnull
         global _RANK_LOG
         _RANK_LOG = open(path, "w", buffering=1)
@@ -85,6 +94,37 @@ def pytest_sessionstart(session):
         reporter = session.config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
             reporter._tw = create_terminal_writer(session.config, _RANK_LOG)
+
+
+def _timeout_of(item) -> float:
+    """pytest-timeout's limit for the item: its `timeout` marker, else --timeout, else the ini."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        return float(marker.kwargs.get("timeout", marker.args[0] if marker.args else 0) or 0)
+    return float(item.config.getoption("timeout", None) or item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Arm faulthandler to write every thread's stack, under a line naming the rank and the
+    test, STACK_LEAD seconds before the timeout; a test that ends in time leaves nothing."""
+    limit = _timeout_of(item)
+    armed = _STACKS is not None and limit > 0
+    if armed:
+        after = limit - min(STACK_LEAD, limit / 4)
+        _STACKS.seek(0)
+        _STACKS.truncate()
+        _STACKS.write(f"rank {RANK} of {SIZE}: {item.nodeid} still runs after {after:g} s "
+                      f"(timeout {limit:g} s); its threads:\n")
+        _STACKS.flush()
+        faulthandler.dump_traceback_later(after, file=_STACKS)
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
+            _STACKS.seek(0)
+            _STACKS.truncate()
 
 
 def pytest_addoption(parser):

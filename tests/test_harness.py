@@ -38,6 +38,11 @@ def test_deadlock_is_stopped_and_reported(tmp_path):
     assert proc.returncode != 0
     assert took < 60, f"deadlock not stopped in time ({took:.0f} s)"
     assert "Timeout" in proc.stdout + proc.stderr
+    # before the timeout, every rank wrote where it waited, not only the first to time out
+    for rank, line in ((0, 4), (1, 5)):           # rank 0 in recv, rank 1 in Barrier
+        stacks = (tmp_path / f"stacks-rank{rank}.txt").read_text()
+        assert stacks.startswith(f"rank {rank} of 2: test_case.py::test_deadlock still runs"), stacks
+        assert f'test_case.py", line {line} in test_deadlock' in stacks, stacks
 
 
 @pytest.mark.launcher

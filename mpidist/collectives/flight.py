@@ -28,7 +28,7 @@ import weakref
 
 from mpi4py import MPI
 
-from mpidist.errors import format_ranks
+from mpidist.errors import abort_job, format_ranks
 
 __all__ = ["begin", "end", "records", "describe", "set_timeout", "get_timeout", "set_directory",
            "directory", "diagnose", "EXIT_HANG"]
@@ -222,7 +222,7 @@ def _fire(me: int, job: str, stuck, timeout: float) -> None:
             pass
     else:
         time.sleep(GRACE + 5)          # the reporter ends the job; if it cannot, we do
-    MPI.COMM_WORLD.Abort(EXIT_HANG)
+    abort_job(EXIT_HANG, MPI.COMM_WORLD)
 
 
 def _claim_request(job: str) -> bool:

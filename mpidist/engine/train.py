@@ -10,7 +10,6 @@ same message on every rank and exits with status 2 before any rank does work.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import tomllib
 import traceback
@@ -18,7 +17,7 @@ import traceback
 from mpidist.comm import Communicator
 from mpidist.engine.config import format_schema, load_config
 from mpidist.engine.loop import JobFailed, run
-from mpidist.errors import ConfigError
+from mpidist.errors import ConfigError, abort_job
 from mpidist.strategy.metrics import setup_logging
 from mpidist.ulfm import exit_now
 
@@ -76,9 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         # not agreed across ranks: the others may be waiting in a collective, so end them all
         log.error("mpidist train: unexpected error, aborting the job\n%s", traceback.format_exc())
-        logging.shutdown()
-        sys.stderr.flush()
-        comm.comm.Abort(1)
+        abort_job(1, comm)
     target = config["job"]["target_accuracy"]
     code = 0
     if target and summary["test_accuracy"] < target:
