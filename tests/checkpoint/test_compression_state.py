@@ -3,7 +3,6 @@ replica, restored exactly at the same replica count and by the sum rule at anoth
 resumed with top-k / PowerSGD follows the uninterrupted loss curve."""
 import json
 import os
-import tempfile
 
 import numpy as np
 import pytest
@@ -118,11 +117,6 @@ def _losses(path) -> dict:
     return {r["step"]: r["loss"] for r in rows if r.get("event") == "step"}
 
 
-@pytest.fixture
-def shared_tmp(comm):
-    return comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-cstate-") if comm.rank == 0 else None)
-
-
 @pytest.mark.parametrize("parallel", [
     {"strategy": "dp", "compression": "topk", "compression_options": {"ratio": 0.05},
      "compression_warmup": 1, "bucket_mb": 0.01},
@@ -131,18 +125,18 @@ def shared_tmp(comm):
     {"strategy": "pipeline", "stages": 1, "microbatches": 1, "compression": "powersgd",
      "compression_options": {"rank": 2}},
 ], ids=["dp-topk", "dp-powersgd", "zero1-topk", "pipeline-powersgd"])
-def test_resumed_compressed_training_follows_the_uninterrupted_curve(comm, shared_tmp, parallel):
+def test_resumed_compressed_training_follows_the_uninterrupted_curve(comm, shared_dir, parallel):
     def go(name, steps, resume=False, ckpt=None):
-        raw = _config(shared_tmp, name, steps, parallel, resume)
+        raw = _config(shared_dir, name, steps, parallel, resume)
         if ckpt:
             raw["checkpoint"]["dir"] = ckpt
         return run(validate(raw, name=name, world_size=comm.size), comm)
 
     go("straight", 6)
-    half = os.path.join(shared_tmp, "half-ckpt")
+    half = os.path.join(shared_dir, "half-ckpt")
     go("half", 3, ckpt=half)
     go("resumed", 6, resume=True, ckpt=half)
-    ref = _losses(os.path.join(shared_tmp, "straight", "metrics.jsonl"))
-    got = _losses(os.path.join(shared_tmp, "resumed", "metrics.jsonl"))
+    ref = _losses(os.path.join(shared_dir, "straight", "metrics.jsonl"))
+    got = _losses(os.path.join(shared_dir, "resumed", "metrics.jsonl"))
     assert sorted(got) == [4, 5, 6]
     assert max(abs(got[s] - ref[s]) for s in got) < 1e-6, (got, ref)

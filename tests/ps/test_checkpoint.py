@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -33,11 +32,6 @@ def _raw(tmp, name, parallel, steps, interval=0, resume=False):
             "parallel": parallel,
             "checkpoint": {"interval": interval, "resume": resume,
                            "dir": os.path.join(tmp, name, "checkpoints")}}
-
-
-@pytest.fixture
-def shared_tmp(comm):
-    return comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-psck-") if comm.rank == 0 else None)
 
 
 def _train(comm, tmp, name, parallel, steps, **kw):
@@ -65,31 +59,31 @@ def _close(a: dict, b: dict, atol):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_bsp_resume_equals_uninterrupted_and_moves_to_and_from_dp(comm, shared_tmp):
+def test_bsp_resume_equals_uninterrupted_and_moves_to_and_from_dp(comm, shared_dir):
     bsp = {"strategy": "ps", "consistency": "bsp"}
-    _train(comm, shared_tmp, "straight", bsp, 6)
-    _train(comm, shared_tmp, "half", bsp, 3, interval=3)
-    with open_checkpoint(os.path.join(shared_tmp, "half", "checkpoints", "ckpt-00000003.h5"),
+    _train(comm, shared_dir, "straight", bsp, 6)
+    _train(comm, shared_dir, "half", bsp, 3, interval=3)
+    with open_checkpoint(os.path.join(shared_dir, "half", "checkpoints", "ckpt-00000003.h5"),
                          comm=comm) as src:
         assert src.shape("ps/clock") == (comm.size - 1,)
         assert src.read("ps/clock").tolist() == [3] * (comm.size - 1)
-    _resume(comm, shared_tmp, "resumed", bsp, 6, "half")
-    ref = _final(comm, shared_tmp, "straight")
-    assert _close(_final(comm, shared_tmp, "resumed"), ref, 1e-6)
+    _resume(comm, shared_dir, "resumed", bsp, 6, "half")
+    ref = _final(comm, shared_dir, "straight")
+    assert _close(_final(comm, shared_dir, "resumed"), ref, 1e-6)
     # the same logical tensors: a ps checkpoint continues under dp, a dp one under ps
-    _resume(comm, shared_tmp, "to-dp", {"strategy": "dp"}, 6, "half")
-    _train(comm, shared_tmp, "dp-half", {"strategy": "dp"}, 3, interval=3)
-    _resume(comm, shared_tmp, "from-dp", bsp, 6, "dp-half")
-    assert _close(_final(comm, shared_tmp, "to-dp"), ref, 1e-5)
-    assert _close(_final(comm, shared_tmp, "from-dp"), ref, 1e-5)
+    _resume(comm, shared_dir, "to-dp", {"strategy": "dp"}, 6, "half")
+    _train(comm, shared_dir, "dp-half", {"strategy": "dp"}, 3, interval=3)
+    _resume(comm, shared_dir, "from-dp", bsp, 6, "dp-half")
+    assert _close(_final(comm, shared_dir, "to-dp"), ref, 1e-5)
+    assert _close(_final(comm, shared_dir, "from-dp"), ref, 1e-5)
 
 
 @pytest.mark.mpi(min_size=3)
-def test_resume_with_another_server_count_reshards(comm, shared_tmp):
-    _train(comm, shared_tmp, "straight", {"strategy": "ps", "servers": 1}, 6)
-    _train(comm, shared_tmp, "half", {"strategy": "ps", "servers": 2}, 3, interval=3)
-    _resume(comm, shared_tmp, "resumed", {"strategy": "ps", "servers": 1}, 6, "half")
-    assert _close(_final(comm, shared_tmp, "resumed"), _final(comm, shared_tmp, "straight"), 1e-6)
+def test_resume_with_another_server_count_reshards(comm, shared_dir):
+    _train(comm, shared_dir, "straight", {"strategy": "ps", "servers": 1}, 6)
+    _train(comm, shared_dir, "half", {"strategy": "ps", "servers": 2}, 3, interval=3)
+    _resume(comm, shared_dir, "resumed", {"strategy": "ps", "servers": 1}, 6, "half")
+    assert _close(_final(comm, shared_dir, "resumed"), _final(comm, shared_dir, "straight"), 1e-6)
 
 
 def _strategy(comm, tmp, consistency, steps, interval=0):
@@ -116,10 +110,10 @@ def _drive(s, rng, until=None, on_boundary=None):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("consistency", ["asp", "bsp"])
 @pytest.mark.parametrize("asker", ["worker", "server"])
-def test_pause_holds_the_servers_parameters_and_resume_continues_from_them(comm, shared_tmp,
+def test_pause_holds_the_servers_parameters_and_resume_continues_from_them(comm, shared_dir,
                                                                           consistency, asker):
     rng = np.random.default_rng(comm.rank)
-    s = _strategy(comm, shared_tmp, consistency, steps=10**6)   # ASP workers may run far ahead
+    s = _strategy(comm, shared_dir, consistency, steps=10**6)   # ASP workers may run far ahead
     try:
         # one rank is signalled from the start (rank 0 is a worker, the last rank a server)
         me = 0 if asker == "worker" else comm.size - 1
@@ -135,7 +129,7 @@ def test_pause_holds_the_servers_parameters_and_resume_continues_from_them(comm,
         assert saved.tensors["ps/clock"].sum() // s.data_size == stop
     finally:
         s.close()
-    again = _strategy(comm, shared_tmp, consistency, steps=stop + 6, interval=2)
+    again = _strategy(comm, shared_dir, consistency, steps=stop + 6, interval=2)
     try:
         again.load_state_dict(saved)
         assert again.step == stop

@@ -3,7 +3,6 @@ jobs reach their target, ASP and SSP beat BSP with a random straggler) and 'admm
 import json
 import os
 import sys
-import tempfile
 
 import pytest
 
@@ -25,43 +24,37 @@ def _config(comm, tmp, name, parallel, steps=6, optim=None):
     return validate(raw, name=name, world_size=comm.size)
 
 
-@pytest.fixture
-def shared_tmp(comm):
-    path = comm.comm.bcast(tempfile.mkdtemp(prefix="mpidist-ps-") if comm.rank == 0 else None)
-    yield path
-
-
 @pytest.mark.mpi(min_size=2)
-def test_ps_bsp_trains_like_data_parallel(comm, shared_tmp):
-    dp = run(_config(comm, shared_tmp, "dp", {"strategy": "dp"}), comm)
-    ps = run(_config(comm, shared_tmp, "ps", {"strategy": "ps", "consistency": "bsp"}), comm)
+def test_ps_bsp_trains_like_data_parallel(comm, shared_dir):
+    dp = run(_config(comm, shared_dir, "dp", {"strategy": "dp"}), comm)
+    ps = run(_config(comm, shared_dir, "ps", {"strategy": "ps", "consistency": "bsp"}), comm)
     assert ps["steps"] == dp["steps"] == 6
     assert abs(ps["test_loss"] - dp["test_loss"]) < 1e-5
     assert ps["test_accuracy"] == dp["test_accuracy"]
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ps_ssp_and_asp_runs_agree_on_every_rank(comm, shared_tmp):
+def test_ps_ssp_and_asp_runs_agree_on_every_rank(comm, shared_dir):
     for consistency in ("asp", "ssp"):
         extra = {"staleness": 1} if consistency == "ssp" else {}
-        cfg = _config(comm, shared_tmp, consistency, {"strategy": "ps", "consistency": consistency,
+        cfg = _config(comm, shared_dir, consistency, {"strategy": "ps", "consistency": consistency,
                                                       "servers": 1, **extra}, steps=8)
         summary = run(cfg, comm)
         comm.check_same((summary["test_loss"], summary["steps"]), "final evaluation")
         assert summary["steps"] >= 8 and summary["test_loss"] < 2.3
 
 
-def test_admm_strategy_reaches_consensus(comm, shared_tmp):
-    summary = run(_config(comm, shared_tmp, "admm", {"strategy": "admm", "rho": 1.0}, steps=30), comm)
+def test_admm_strategy_reaches_consensus(comm, shared_dir):
+    summary = run(_config(comm, shared_dir, "admm", {"strategy": "admm", "rho": 1.0}, steps=30), comm)
     comm.check_same(summary["test_loss"], "ADMM test loss")
     assert summary["test_accuracy"] > 0.6                # 30 steps from chance (0.1)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ps_strategy_rejects_staleness_without_ssp(comm, shared_tmp):
+def test_ps_strategy_rejects_staleness_without_ssp(comm, shared_dir):
     from mpidist.ps.strategy import ParameterServerStrategy
     meta = {"kind": "classification", "in_shape": (64,), "classes": 10}
-    cfg = _config(comm, shared_tmp, "bad", {"strategy": "ps"})
+    cfg = _config(comm, shared_dir, "bad", {"strategy": "ps"})
     cfg["job"]["total_steps"] = 6
     cfg["parallel"]["staleness"] = 2                 # consistency is bsp
     with pytest.raises(ConfigError, match="staleness"):
