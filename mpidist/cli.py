@@ -156,4 +156,4 @@ def _abort_job(cmd: str) -> None:
         return
     print(f"mpidist {cmd}: unexpected error on rank {mpi.COMM_WORLD.Get_rank()}, aborting the "
           f"job\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-    abort_job(1, mpi.COMM_WORLD)
+    abort_job(mpi.COMM_WORLD, 1)

@@ -11,8 +11,6 @@ import logging
 import os
 import sys
 
-from mpi4py import MPI
-
 __all__ = ["format_ranks", "format_failures", "agree_or_raise", "abort_job", "MismatchError",
            "RemoteError", "ConfigError"]
 
@@ -82,8 +80,9 @@ def agree_or_raise(comm, exc, remote: type = RemoteError, *, share=None) -> list
     raise err
 
 
-def abort_job(code: int = 1, comm=None):
-    """End the whole job from this rank: MPI_Abort on `comm` (COMM_WORLD where None).
+def abort_job(comm, code: int = 1):
+    """End the whole job from this rank: MPI_Abort on `comm` (an mpidist Communicator or an
+    mpi4py communicator; this module leaves importing mpi4py, which starts MPI, to callers).
 
     MPI_Abort does not always return or end the job: Open MPI 5 with a rank already lost
     sometimes waits in it forever, holding the GIL. faulthandler's watchdog, a C thread
@@ -106,4 +105,4 @@ def abort_job(code: int = 1, comm=None):
         except (OSError, ValueError):
             pass
     faulthandler.dump_traceback_later(ABORT_GRACE, exit=True, file=open(os.devnull, "w"))
-    getattr(comm, "comm", comm or MPI.COMM_WORLD).Abort(code)
+    getattr(comm, "comm", comm).Abort(code)

@@ -42,6 +42,6 @@ def test_abort_job_writes_its_code_where_the_launcher_reads_it(tmp_path):
     note = tmp_path / "note"
     note.write_text("")
     env = dict(launcher.without_job_variables(os.environ), MPIDIST_ABORT_NOTE=str(note))
-    code = "from mpidist.errors import abort_job\nabort_job(5)\n"
+    code = "from mpi4py import MPI\nfrom mpidist.errors import abort_job\nabort_job(MPI.COMM_WORLD, 5)\n"
     proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True)
     assert proc.returncode == 5 and note.read_text() == "5\n", proc.stderr[-2000:]

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 import mpidist
 import mpidist.kernels
@@ -316,3 +320,12 @@ def test_no_module_uses_another_modules_private_names():
                 bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} "
                            f"{aliases[node.value.id]}.{node.attr}")
     assert not bad, "private names of another module:\n" + "\n".join(bad)
+
+
+@pytest.mark.launcher
+def test_the_command_line_starts_mpi_only_after_its_launch_check():
+    """`mpidist CMD` checks for an unwired launch (srun --mpi=none) before MPI_Init, which
+    importing mpi4py.MPI performs: importing the command line must not import it."""
+    code = "import sys, mpidist.cli; print('mpi4py.MPI' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr

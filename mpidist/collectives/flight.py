@@ -222,7 +222,7 @@ def _fire(me: int, job: str, stuck, timeout: float) -> None:
             pass
     else:
         time.sleep(GRACE + 5)          # the reporter ends the job; if it cannot, we do
-    abort_job(EXIT_HANG, MPI.COMM_WORLD)
+    abort_job(MPI.COMM_WORLD, EXIT_HANG)
 
 
 def _claim_request(job: str) -> bool:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         # not agreed across ranks: the others may be waiting in a collective, so end them all
         log.error("mpidist train: unexpected error, aborting the job\n%s", traceback.format_exc())
-        abort_job(1, comm)
+        abort_job(comm, 1)
     target = config["job"]["target_accuracy"]
     code = 0
     if target and summary["test_accuracy"] < target:
