@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch", reason="mpidist.torch needs PyTorch (the [t
 import mpidist.torch as mt                                     # noqa: E402
 from mpidist.comm import Communicator                          # noqa: E402
 from mpidist.errors import MismatchError, RemoteError          # noqa: E402
+from tests import gloo as gloo_groups                         # noqa: E402
 
 PER_RANK = 3       # samples per rank: the global batch is PER_RANK * size
 
@@ -164,14 +165,18 @@ def gloo():
 
     import torch.distributed as dist
     world = MPI.COMM_WORLD
-    port = None
-    if world.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
+
+    def init():
+        port = None
+        if world.rank == 0:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        port = world.bcast(port, root=0)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=world.rank, world_size=world.size,
+                                timeout=gloo_groups.TIMEOUT)
+    gloo_groups.agreed(init, lambda _: dist.destroy_process_group())
     yield dist
     dist.destroy_process_group()
 
