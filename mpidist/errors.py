@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-__all__ = ["format_ranks", "format_failures", "agree_or_raise", "abort_job", "MismatchError",
-           "RemoteError", "ConfigError"]
+__all__ = ["format_ranks", "format_failures", "agree_or_raise", "abort_job", "flush_output",
+           "MismatchError", "RemoteError", "ConfigError"]
 
 ABORT_GRACE = 5.0      # seconds MPI_Abort gets before this rank leaves on its own
 
@@ -80,6 +80,16 @@ def agree_or_raise(comm, exc, remote: type = RemoteError, *, share=None) -> list
     raise err
 
 
+def flush_output() -> None:
+    """Flush the logs and the standard streams, before this process leaves abruptly."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def abort_job(comm, code: int = 1):
     """End the whole job from this rank: MPI_Abort on `comm` (an mpidist Communicator or an
     mpi4py communicator; this module leaves importing mpi4py, which starts MPI, to callers).
@@ -98,11 +108,6 @@ def abort_job(comm, code: int = 1):
                 fh.write(f"{int(code)}\n")
         except OSError:
             pass
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_output()
     faulthandler.dump_traceback_later(ABORT_GRACE, exit=True, file=open(os.devnull, "w"))
     getattr(comm, "comm", comm).Abort(code)

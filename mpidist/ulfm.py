@@ -20,15 +20,14 @@ See docs/ARCHITECTURE.md (fault tolerance).
 """
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import time
 
 from mpi4py import MPI
 
 from mpidist import mpilib
 from mpidist.comm import Communicator
+from mpidist.errors import flush_output
 
 __all__ = ["active", "failure_of", "broken", "revoke", "shrink", "world_ranks", "exit_now"]
 
@@ -144,10 +143,5 @@ def exit_now(code: int) -> None:
     race in its shutdown; a plain mpi4py loop shows it too), which would turn a finished job
     into a hung one; a survivor that leaves without it is taken as a normal exit by mpiexec
     --with-ft ulfm."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_output()
     os._exit(int(code))
