@@ -86,6 +86,11 @@ def pytest_configure(config):
         os.dup2(_RANK_LOG.fileno(), 2)
 
 
+def pytest_unconfigure(config):
+    if _STACKS is not None:
+        _STACKS.close()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     """Ranks other than 0 write their pytest report to their log, not the terminal."""
