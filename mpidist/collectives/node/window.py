@@ -184,6 +184,13 @@ class Window:
         """Collective: free the windows and the duplicate communicator."""
         if self._mpi is None:
             return
+        # MPI_Win_free waits for every rank of the window: ranks that hold different
+        # windows would wait for ever, so they compare first and raise instead
+        views = self._mpi.allgather((self._data is not None, self._capacity, self.seq))
+        if len({v[:2] for v in views}) > 1:
+            raise RuntimeError(
+                "the node window differs between ranks at free (rank: (data window, "
+                "capacity, barriers)): " + ", ".join(f"{r}: {v}" for r, v in enumerate(views)))
         # one line each, so that a stack taken in a hang shows which window a rank frees
         if self._data is not None:
             self._data.Unlock_all()
