@@ -17,7 +17,7 @@ from mpidist.launcher import run
 from mpidist.simcluster import NIC, SimCluster
 
 __all__ = ["add_cluster_options", "add_worker_options", "parse_cluster", "drive", "free_port",
-           "init_gloo"]
+           "init_gloo", "launched", "on_cluster", "without_cluster_options"]
 
 
 def free_port() -> int:
@@ -37,7 +37,7 @@ def init_gloo(comm) -> None:
     dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
 
 
-def _launched() -> bool:
+def launched() -> bool:
     return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
 
 
@@ -57,6 +57,18 @@ def add_worker_options(parser) -> None:
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
 
 
+def without_cluster_options(argv: list[str]) -> list[str]:
+    """argv less --cluster and --bandwidth with their values (for the command run on the
+    cluster itself)."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a in ("--cluster", "--bandwidth"):
+            next(it, None)
+        elif not a.startswith(("--cluster=", "--bandwidth=")):
+            out.append(a)
+    return out
+
+
 def parse_cluster(text: str) -> str:
     """'2x1' -> '2x1' (validated: nodes x ranks per node, each at least 1)."""
     m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", str(text))
@@ -65,7 +77,7 @@ def parse_cluster(text: str) -> str:
     return f"{int(m.group(1))}x{int(m.group(2))}"
 
 
-def _on_cluster(args, argv: list[str]):
+def on_cluster(args, argv: list[str]):
     """Run argv on the simulated cluster args.cluster; gloo's rendezvous on node 0's address
     and its traffic on the cluster NIC (else it binds to loopback and never connects)."""
     nodes, per_node = (int(v) for v in args.cluster.split("x"))
@@ -85,7 +97,7 @@ def drive(name: str, args, worker, report, worker_args: list[str], check=None) -
     except ImportError:
         print(f"mpidist bench {name} needs PyTorch: pip install 'mpidist[torch]'", file=sys.stderr)
         return 2
-    if args.worker or _launched():
+    if args.worker or launched():
         result = worker(args)
         from mpi4py import MPI       # here, not at the top: the driver process starts the ranks
         if MPI.COMM_WORLD.Get_rank() == 0:
@@ -103,7 +115,7 @@ def drive(name: str, args, worker, report, worker_args: list[str], check=None) -
             path = os.path.join(tmp, "result.json")
             argv = [sys.executable, "-m", "mpidist", "bench", name, "--worker", "--json", path,
                     *worker_args]
-            proc = _on_cluster(args, argv) if cluster else run(n, argv, timeout=1800)
+            proc = on_cluster(args, argv) if cluster else run(n, argv, timeout=1800)
             if proc.returncode != 0 and not os.path.exists(path):
                 raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
             with open(path) as fh:

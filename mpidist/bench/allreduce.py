@@ -4,6 +4,7 @@ library's own MPI_Allreduce, in the manner of nccl-tests and the OSU benchmarks.
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --sizes 8,4K,1M,64M --reps 5
     python -m mpidist.launcher -n 2 -- mpidist bench allreduce --dtype float16
     python -m mpidist.launcher -n 4 -- mpidist bench allreduce --table allreduce-table.json
+    mpidist bench allreduce --cluster 2x1 --bandwidth 1gbit --sizes 4M,16M   # simulated nodes
 
 Per size and algorithm, through the public allreduce() with its result checked: the median
 over interleaved rounds (order shuffled per round) of the slowest rank's time, its spread,
@@ -17,6 +18,7 @@ import argparse
 import csv
 import json
 import os
+import sys
 import textwrap
 import time
 
@@ -24,6 +26,8 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.bench._driver import (add_cluster_options, launched, on_cluster,
+                                   without_cluster_options)
 from mpidist.bench.steadiness import Steadiness
 from mpidist.collectives import ALGORITHMS, allreduce, flight, select
 from mpidist.collectives.core import prepare_allreduce
@@ -84,6 +88,7 @@ def _parse(argv):
                         "built-in rule)")
     p.add_argument("--out", default=os.path.join("results", "bench", "allreduce"),
                    help="output directory")
+    add_cluster_options(p)
     args = p.parse_args(argv)
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     bad = [a for a in args.algorithms if a not in every]
@@ -167,6 +172,10 @@ def _plot(rows, path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.cluster and not launched():     # this command again, on the simulated cluster
+        rest = without_cluster_options(sys.argv[1:] if argv is None else argv)
+        return on_cluster(args, [sys.executable, "-m", "mpidist", "bench", "allreduce",
+                                 *rest]).returncode
     if args.table:
         select.use_table(args.table)
     c = Communicator(ranks_per_node=args.ranks_per_node)

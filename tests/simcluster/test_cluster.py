@@ -145,3 +145,27 @@ def _alive(pid: str) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_benchmark_rerun_on_the_cluster_drops_only_the_cluster_options():
+    from mpidist.bench._driver import without_cluster_options
+    argv = ["--sizes", "4M", "--cluster", "2x1", "--bandwidth=10gbit", "--reps", "3",
+            "--cluster=2x2", "--bandwidth", "1gbit", "--out", "x"]
+    assert without_cluster_options(argv) == ["--sizes", "4M", "--reps", "3", "--out", "x"]
+
+
+@pytest.mark.launcher          # it starts its own cluster, from the plain session
+@pytest.mark.timeout(300)
+def test_bench_allreduce_runs_itself_on_the_cluster(tmp_path):
+    from mpidist.launcher import without_job_variables   # as from a shell: not this session's job
+    _need_namespaces()
+    proc = subprocess.run([sys.executable, "-m", "mpidist", "bench", "allreduce", "--cluster",
+                           "2x1", "--bandwidth", "1gbit", "--sizes", "64K",
+                           "--algorithms", "native,ring", "--reps", "3", "--seconds", "0.2",
+                           "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO,
+                          timeout=240, env=without_job_variables(os.environ))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 ranks on 2 node(s) (detected)" in proc.stdout, proc.stdout
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip().startswith("64K")]
+    assert [r[1] for r in rows] == ["native", "ring"] and all(r[-1] == "ok" for r in rows), rows
+    assert (tmp_path / "allreduce.json").exists()
