@@ -17,7 +17,10 @@ from mpidist.launcher import run
 from mpidist.simcluster import NIC, SimCluster
 
 __all__ = ["add_cluster_options", "add_worker_options", "parse_cluster", "drive", "free_port",
-           "init_gloo", "launched", "on_cluster", "without_cluster_options"]
+           "init_gloo", "launched", "on_cluster", "without_cluster_options", "in_build_order",
+           "BUILD_ORDERS"]
+
+BUILD_ORDERS = ("forward", "reverse")
 
 
 def free_port() -> int:
@@ -50,11 +53,22 @@ def add_cluster_options(parser) -> None:
                         help="the simulated nodes' link rate, tc syntax (default 1gbit)")
 
 
-def add_worker_options(parser) -> None:
-    """--worker and --json PATH: what the driver passes to the rank processes it starts."""
+def add_worker_options(parser, build_order: bool = False) -> None:
+    """--worker and --json PATH: what the driver passes to the rank processes it starts;
+    with build_order, --build-order (drive's merge)."""
     parser.add_argument("--worker", action="store_true",
                         help="measure at the current world size (under mpiexec)")
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    if build_order:
+        parser.add_argument("--build-order", default=BUILD_ORDERS[0], choices=BUILD_ORDERS,
+                            help="the order the variants are built in, in this job (alone, "
+                                 "the benchmark runs one job in each order)")
+
+
+def in_build_order(names, args) -> list:
+    """names in the order args.build_order says (BUILD_ORDERS: as given, or reversed)."""
+    names = list(names)
+    return names[::-1] if getattr(args, "build_order", "forward") == "reverse" else names
 
 
 def without_cluster_options(argv: list[str]) -> list[str]:
@@ -86,12 +100,18 @@ def on_cluster(args, argv: list[str]):
         return cluster.run(argv, env=env, timeout=1800)
 
 
-def drive(name: str, args, worker, report, worker_args: list[str], check=None) -> int:
+def drive(name: str, args, worker, report, worker_args: list[str], check=None,
+          merge=None) -> int:
     """Run benchmark `name`: worker(args) -> row on every rank of this job, or one job per
     rank count in args.ranks (one on the simulated cluster with args.cluster) with
     worker_args; report(rows, args) -> the table's text, printed and written with the rows to
     args.out/NAME.{json,txt}. check(rows) -> why the rows are void, or None: the benchmark
-    then exits 1 after its report."""
+    then exits 1 after its report.
+
+    merge(rows) -> row: the worker builds its variants in the order --build-order names
+    (BUILD_ORDERS); each rank count then runs one job per order and merge combines their
+    rows. Where variants take turns in one process, the one built first can run slower
+    after a turn of another, so a fixed order would favour a variant."""
     try:
         import torch  # noqa: F401  (optional: the benchmark needs it, mpidist does not)
     except ImportError:
@@ -110,16 +130,21 @@ def drive(name: str, args, worker, report, worker_args: list[str], check=None) -
         return 1 if why else 0
     rows = []
     cluster = getattr(args, "cluster", None)
+    orders = [["--build-order", o] for o in BUILD_ORDERS] if merge else [[]]
     for n in [cluster] if cluster else [int(r) for r in args.ranks.split(",")]:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "result.json")
-            argv = [sys.executable, "-m", "mpidist", "bench", name, "--worker", "--json", path,
-                    *worker_args]
-            proc = on_cluster(args, argv) if cluster else run(n, argv, timeout=1800)
-            if proc.returncode != 0 and not os.path.exists(path):
-                raise RuntimeError(f"the {n}-rank measurement failed (exit {proc.returncode})")
-            with open(path) as fh:
-                rows.append(json.load(fh))
+        got = []
+        for order in orders:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "result.json")
+                argv = [sys.executable, "-m", "mpidist", "bench", name, "--worker", "--json",
+                        path, *worker_args, *order]
+                proc = on_cluster(args, argv) if cluster else run(n, argv, timeout=1800)
+                if proc.returncode != 0 and not os.path.exists(path):
+                    raise RuntimeError(f"the {n}-rank measurement failed (exit "
+                                       f"{proc.returncode})")
+                with open(path) as fh:
+                    got.append(json.load(fh))
+        rows.append(merge(got) if merge else got[0])
     text = report(rows, args)
     print(text)
     os.makedirs(args.out, exist_ok=True)

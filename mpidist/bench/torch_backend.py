@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from mpidist.bench._driver import add_cluster_options, add_worker_options, drive
+from mpidist.bench._driver import (add_cluster_options, add_worker_options, drive,
+                                   in_build_order)
 
 __all__ = ["main"]
 
@@ -38,7 +39,7 @@ def _parse(argv):
                         "DDP's default, False)")
     p.add_argument("--out", default=os.path.join("results", "bench", "torch_backend"),
                    help="output directory")
-    add_worker_options(p)
+    add_worker_options(p, build_order=True)
     return p.parse_args(argv)
 
 
@@ -69,7 +70,7 @@ def _worker(args) -> dict:
     x = torch.randn(args.batch, IN, generator=gen)
     y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
     steps, nets = {}, {}
-    for name in VARIANTS:
+    for name in in_build_order(VARIANTS, args):
         model = torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=groups[name],
                                                           bucket_cap_mb=args.bucket_mb,
                                                           gradient_as_bucket_view=args.bucket_view)
@@ -101,10 +102,28 @@ def _worker(args) -> dict:
     for k, rows in times.items():
         slowest = np.empty(len(rows))
         comm.comm.Allreduce(np.asarray(rows), slowest, op=MPI.MAX)
-        step = float(np.median(slowest))
-        out[k] = {"step": step, "samples_per_s": args.batch * comm.size / step}
+        out[k] = _timing(slowest.tolist(), args.batch * comm.size)
+    out["build_orders"] = [getattr(args, "build_order", "forward")]
     dist.destroy_process_group()
     comm.free()
+    return out
+
+
+def _timing(times: list, samples: int) -> dict:
+    """A variant's figures from the slowest rank's step times (seconds): their median."""
+    step = float(np.median(times))
+    return {"step": step, "samples_per_s": samples / step, "times": times}
+
+
+def merge(rows) -> dict:
+    """One row from the jobs of one rank count, one per build order: each variant's step
+    times pooled, the largest parameter difference kept."""
+    out = dict(rows[0])
+    samples = rows[0]["batch_per_rank"] * rows[0]["ranks"]
+    for v in VARIANTS:
+        out[v] = _timing([t for r in rows for t in r[v]["times"]], samples)
+    out["agree"] = max(r["agree"] for r in rows)
+    out["build_orders"] = [o for r in rows for o in r["build_orders"]]
     return out
 
 
@@ -116,7 +135,9 @@ def _report(rows, args) -> str:
              f"thread per rank, {args.steps} timed steps, shuffled each round; mpidist algorithm "
              f"{args.algorithm}; on "
              + (f"simulated cluster {args.cluster} at {args.bandwidth}" if args.cluster
-                else "this host"), head, "-" * len(head)]
+                else "this host") + f"; variants built in the order(s) "
+             f"{', '.join(rows[0].get('build_orders', ['forward']))}, steps pooled",
+             head, "-" * len(head)]
     for r in rows:
         for v in VARIANTS:
             m = r[v]
@@ -144,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     mpidist.torch.backend.init_process_group) or gloo (a group of the same ranks). The two
     models take turns step by step, each step after a barrier, so a change of the machine's load
     hits both alike. A step is zero_grad, forward, backward (DDP's bucket allreduces overlap it)
-    and the optimizer; times are the slowest rank's, medians over the timed steps. Reported:
-    samples/s and the ratio of mpidist's to gloo's.
+    and the optimizer; times are the slowest rank's, medians over the timed steps. Each rank
+    count runs twice, the two models built in one order and then in the other (the model
+    built first runs slower after a turn of the other), and the steps of both are pooled.
+    Reported: samples/s and the ratio of mpidist's to gloo's.
     """
     args = _parse(argv)
     return drive("torch_backend", args, _worker, _report,
                  ["--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--batch", str(args.batch), "--algorithm", args.algorithm,
                   "--bucket-mb", str(args.bucket_mb)]
-                 + (["--bucket-view"] if args.bucket_view else []), check=check)
+                 + (["--bucket-view"] if args.bucket_view else []), check=check, merge=merge)

@@ -45,6 +45,24 @@ def test_bench_torch_backend_checks_both_backends_agree(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = json.loads((out / "torch_backend.json").read_text())["rows"]
     assert row["agree"] <= 1e-6 and "largest relative difference" in proc.stdout
+    # one job per build order, their steps pooled
+    assert row["build_orders"] == ["forward", "reverse"]
+    assert len(row["gloo"]["times"]) == len(row["mpidist"]["times"]) == 2 * 2
+
+
+def test_build_orders_are_pooled_and_the_worst_agreement_kept():
+    from mpidist.bench._driver import in_build_order
+    from mpidist.bench.torch_backend import merge
+    assert in_build_order("ab", type("A", (), {"build_order": "reverse"})) == ["b", "a"]
+    assert in_build_order("ab", object()) == ["a", "b"]
+    rows = [{"ranks": 2, "batch_per_rank": 4, "agree": a, "build_orders": [o],
+             "gloo": {"times": g}, "mpidist": {"times": m}}
+            for a, o, g, m in ((0.0, "forward", [1.0, 3.0], [2.0, 2.0]),
+                               (1e-9, "reverse", [2.0, 8.0], [1.0, 1.0]))]
+    row = merge(rows)
+    assert row["gloo"]["step"] == 2.5 and row["gloo"]["samples_per_s"] == 8 / 2.5
+    assert row["mpidist"]["step"] == 1.5 and row["agree"] == 1e-9
+    assert row["build_orders"] == ["forward", "reverse"]
 
 
 @pytest.mark.launcher
