@@ -10,12 +10,14 @@ What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
 import numpy as np
 
-from mpidist.bench._driver import add_cluster_options, add_worker_options, drive, init_gloo
+from mpidist.bench._driver import (add_cluster_options, add_worker_options, drive,
+                                   in_build_order, init_gloo)
 from mpidist.simcluster import parse_rate
 
 __all__ = ["main"]
@@ -44,7 +46,7 @@ def _parse(argv):
                    help="threads per rank for torch and Numba: 1 (default), or auto: what "
                         "mpidist sets by itself under this launcher (mpidist.threads)")
     add_cluster_options(p)
-    add_worker_options(p)
+    add_worker_options(p, build_order=True)
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in args.variants if v not in VARIANTS]
@@ -119,16 +121,16 @@ def _worker(args) -> dict:
             return t1 - t0, t_wait, (t2 - t1 - t_wait) if t_optim is None else t_optim
         return step
 
-    if "torch" in args.variants:
+    def plain():
         net = nets["torch"] = _model(args.model)
-        steps["torch"] = timed(net, sgd(net.parameters()))
+        return timed(net, sgd(net.parameters()))
 
-    if "ddp" in args.variants:
+    def ddp():
         init_gloo(comm)
-        ddp = torch.nn.parallel.DistributedDataParallel(
+        model = torch.nn.parallel.DistributedDataParallel(
             _model(args.model), bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
-        nets["ddp"] = ddp.module
-        steps["ddp"] = timed(ddp, sgd(ddp.parameters()))
+        nets["ddp"] = model.module
+        return timed(model, sgd(model.parameters()))
 
     def mpidist_variant(name, zero):
         net = nets[name] = _model(args.model)
@@ -139,9 +141,13 @@ def _worker(args) -> dict:
                                        algorithm=args.algorithm, **kwargs)
         return timed(net, mopt, lambda: (mopt.last_step["t_wait"], mopt.last_step["t_optim"]))
 
-    for name, zero in (("mpidist", 0), ("mpidist-fused", 0), ("zero2", 2)):
-        if name in args.variants:
-            steps[name] = mpidist_variant(name, zero)
+    builders = {"torch": plain, "ddp": ddp,
+                "mpidist": lambda: mpidist_variant("mpidist", 0),
+                "mpidist-fused": lambda: mpidist_variant("mpidist-fused", 0),
+                "zero2": lambda: mpidist_variant("zero2", 2)}
+    for name in in_build_order([v for v in VARIANTS if v in args.variants], args):
+        steps[name] = builders[name]()
+    steps = {k: steps[k] for k in VARIANTS if k in steps}   # the rounds' shuffles: one order
 
     times = {k: [] for k in steps}
     order = np.random.default_rng(1234)         # the same shuffles on every rank
@@ -156,22 +162,13 @@ def _worker(args) -> dict:
                 times[k].append((total,) + parts)
     out = {"ranks": comm.size, "batch_per_rank": args.batch, "nodes": comm.num_nodes,
            "params": sum(p.numel() for p in _model(args.model).parameters()),
-           "agree": _agreement(comm, nets)}
-    slowest = {}
+           "agree": _agreement(comm, nets), "build_orders": [args.build_order], "raw": {}}
     for k, rows in times.items():
         a = np.asarray(rows)
         mx = np.empty_like(a)
         comm.comm.Allreduce(a, mx, op=MPI.MAX)
-        slowest[k] = mx
-    for k, mx in slowest.items():
-        step, compute, wait, optim = (float(np.median(mx[:, j])) for j in range(4))
-        if k == "ddp" and "torch" in slowest:
-            # DDP's communication overlaps its backward: what it adds is its forward and
-            # backward minus plain torch's, in the same round
-            exposed = float(np.median(mx[:, 1] - slowest["torch"][:, 1]))
-            compute, wait = compute - exposed, exposed
-        out[k] = {"step": step, "compute": compute, "comm": wait, "optim": optim,
-                  "samples_per_s": args.batch * comm.size / step}
+        out["raw"][k] = mx.tolist()
+    out.update(_figures(out))
     if "ddp" in args.variants:
         dist.destroy_process_group()
     comm.free()
@@ -198,6 +195,36 @@ def _agreement(comm, nets) -> dict:
     return {"max_rel_diff": worst, "pair": pair, "variants": names}
 
 
+def _figures(row) -> dict:
+    """Each variant's medians from row["raw"] (per timed step, the slowest rank's total,
+    compute, wait and optimizer seconds; rounds in the same order for every variant)."""
+    raw = {k: np.asarray(v) for k, v in row["raw"].items()}
+    out = {}
+    for k, mx in raw.items():
+        step, compute, wait, optim = (float(np.median(mx[:, j])) for j in range(4))
+        if k == "ddp" and "torch" in raw:
+            # DDP's communication overlaps its backward: what it adds is its forward and
+            # backward minus plain torch's, in the same round
+            exposed = float(np.median(mx[:, 1] - raw["torch"][:, 1]))
+            compute, wait = compute - exposed, exposed
+        out[k] = {"step": step, "compute": compute, "comm": wait, "optim": optim,
+                  "samples_per_s": row["batch_per_rank"] * row["ranks"] / step}
+    return out
+
+
+def merge(rows) -> dict:
+    """One row from the jobs of one rank count, one per build order: the rounds of both
+    pooled, the worst parameter agreement kept."""
+    out = dict(rows[0])
+    out["raw"] = {k: [x for r in rows for x in r["raw"][k]] for k in rows[0]["raw"]}
+    # the worst agreement (NaN, which never passes the check, counts as the worst)
+    out["agree"] = max((r["agree"] for r in rows),
+                       key=lambda a: (math.isnan(a["max_rel_diff"]), a["max_rel_diff"]))
+    out["build_orders"] = [o for r in rows for o in r["build_orders"]]
+    out.update(_figures(out))
+    return out
+
+
 # ----------------------------------------------------------------------------- driver
 def link_bound(params: int, ranks: int, nodes: int, batch: int, bits_per_s: float | None):
     """(bytes each rank sends per step over the slowest link, samples/s the link allows):
@@ -219,7 +246,8 @@ def _report(rows, args) -> str:
              f"momentum SGD (torch fused=True unless -fused: mpidist's kernel), "
              f"{'one thread' if args.threads == '1' else 'mpidist default threads'} per "
              f"rank, {args.bucket_mb:g} MB buckets, {args.steps} timed steps, variants shuffled "
-             f"each round; medians of the slowest rank",
+             f"each round, built in the order(s) {', '.join(rows[0].get('build_orders', ['forward']))}"
+             f" (rounds pooled); medians of the slowest rank",
              "ratio: samples/s over ddp's (plain torch's at 1 rank); compute%: of plain torch's "
              "(no communication); link%: of bytes per step over the bandwidth",
              head, "-" * len(head)]
@@ -263,19 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     samples per rank (default 128); "gpt", the GPT of jobs/torch_gpt.py (mpidist.torch.models:
     4 layers, dim 256, byte-level, 3.3M parameters), --batch random windows of 64 bytes per
     rank (default 16). Momentum SGD (lr 0.01, momentum 0.9), one thread per rank (torch and
-    Numba). Variants, each
-    its own copy of the model, in the same processes, taking turns step by step (a change of
-    the machine's load hits all alike; each step starts after a barrier):
-        torch      plain torch, torch.optim.SGD(foreach=True), no communication
-        ddp        torch.nn.parallel.DistributedDataParallel over gloo, the same SGD
-        mpidist    mpidist.torch.DistributedOptimizer("sgd"): dp, buckets during backward
-        zero2      the same with zero=2: buckets reduce-scattered, momentum sharded, parameters
-                   allgathered after the update
-    Each step is split into compute (forward and backward: for ddp with its overlapped
-    communication), exposed communication (ddp: its forward+backward minus plain torch's in
-    the same round; mpidist: the wait in step()) and optimizer; times are the slowest rank's,
-    medians over the timed steps. Reported: samples/s and the ratio to ddp (to plain torch on
-    one rank, where DDP has nothing to do).
+    Numba). Variants, each its own copy of the model, in the same processes, taking turns
+    step by step in an order shuffled every round (a change of the machine's load hits all
+    alike; each step starts after a barrier):
+        torch          plain torch, torch.optim.SGD(fused=True), no communication
+        ddp            torch DDP over gloo, the same SGD, gradient_as_bucket_view=True, the
+                       same bucket size
+        mpidist        mpidist.torch.DistributedOptimizer wrapping the same SGD
+        mpidist-fused  the same with mpidist's own fused SGD ("sgd")
+        zero2          mpidist's SGD with zero=2: buckets reduce-scattered, momentum sharded,
+                       parameters allgathered after the update
+    Each rank count runs twice, the variants built in one order and then in the other (a
+    model built first can run slower after another's turn), and the rounds of both are
+    pooled. Each step is split into compute (forward and backward: for ddp with its
+    overlapped communication), exposed communication (ddp: its forward+backward minus plain
+    torch's in the same round; mpidist: the wait in step()) and optimizer; times are the
+    slowest rank's, medians over the timed steps. Reported: samples/s and the ratio to ddp
+    (to plain torch on one rank, where DDP has nothing to do). The run fails unless the
+    data-parallel variants end with the same parameters (check).
     """
     args = _parse(argv)
     return drive("torch", args, _worker, _report,
@@ -283,4 +316,4 @@ def main(argv: list[str] | None = None) -> int:
                   "--batch", str(args.batch), "--bucket-mb", str(args.bucket_mb),
                   "--algorithm", args.algorithm, "--variants", ",".join(args.variants),
                   "--threads", args.threads],
-                 check=check)
+                 check=check, merge=merge)

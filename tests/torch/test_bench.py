@@ -32,6 +32,8 @@ def test_bench_torch_gpt_reports_every_variant(tmp_path):
     # the data-parallel variants (not plain torch, on one rank's batch) reached one model
     assert set(row["agree"]["variants"]) == {"ddp", "mpidist", "mpidist-fused", "zero2"}
     assert row["agree"]["max_rel_diff"] <= 1e-5, row["agree"]
+    assert row["build_orders"] == ["forward", "reverse"]     # one job each, rounds pooled
+    assert all(len(v) == 2 for v in row["raw"].values())
 
 
 @pytest.mark.launcher
@@ -107,6 +109,20 @@ def test_a_bench_whose_variants_differ_fails():
     assert bench_torch.check([nan]) is not None              # NaN parameters never pass
     assert torch_backend.check([{"ranks": 2, "agree": 0.0}]) is None
     assert torch_backend.check([{"ranks": 2, "agree": 1e-3}]) is not None
+
+
+def test_bench_torch_pools_the_rounds_of_both_build_orders():
+    from mpidist.bench.torch import merge
+    agree = [{"max_rel_diff": d, "pair": ("ddp", "mpidist"), "variants": ["ddp", "mpidist"]}
+             for d in (1e-7, float("nan"))]
+    rows = [{"ranks": 2, "batch_per_rank": 10, "build_orders": [o], "agree": a,
+             "raw": {"torch": [[1.0, 0.5, 0.0, 0.1]], "ddp": [[s, 0.5 + s / 2, 0.0, 0.1]]}}
+            for o, a, s in (("forward", agree[0], 2.0), ("reverse", agree[1], 4.0))]
+    row = merge(rows)
+    assert row["build_orders"] == ["forward", "reverse"] and len(row["raw"]["ddp"]) == 2
+    assert row["ddp"]["step"] == 3.0 and row["ddp"]["samples_per_s"] == 20 / 3.0
+    assert row["ddp"]["comm"] == 1.5                # its forward+backward over plain torch's
+    assert row["agree"] is agree[1]                 # a NaN is the worst: the check fails
 
 
 def test_the_link_bound_is_bytes_per_step_over_the_bandwidth():
