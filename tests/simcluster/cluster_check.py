@@ -1,6 +1,7 @@
 """Run on a simulated cluster (tests/simcluster): prints one JSON line from rank 0 with
 what each check found. Hierarchical allreduce and the parameter server are compared with
 MPI_Allreduce of the same data; the NIC counters show the bytes went over the links."""
+import faulthandler
 import json
 import sys
 
@@ -13,7 +14,12 @@ from mpidist.ps import ParameterServer
 from mpidist.simcluster import nic_bytes
 
 
+STACKS_AFTER = 200      # seconds; the test gives the run 240
+
+
 def main() -> None:
+    # a hang ends with every rank's stack on stderr, before the test's own timeout
+    faulthandler.dump_traceback_later(STACKS_AFTER, exit=True)
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 20
     c = Communicator()
     out = {"size": c.size, "num_nodes": c.num_nodes, "node_sizes": c.node_sizes,

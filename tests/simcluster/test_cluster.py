@@ -79,9 +79,9 @@ def test_hierarchical_allreduce_and_parameter_server_across_nodes():
                            capture_output=True, text=True, cwd=REPO)
     assert info.returncode == 0, info.stderr[-3000:]
     assert "4 ranks on 2 node(s) (detected), ranks per node [2, 2]" in info.stdout, info.stdout
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert line, proc.stdout[-3000:] + proc.stderr[-12000:]
     got = json.loads(line[0][len("RESULT "):])
     # real nodes: detected by the shared-memory split, on distinct hosts
     assert (got["size"], got["num_nodes"], got["node_sizes"]) == (4, 2, [2, 2])
@@ -106,9 +106,9 @@ def test_torch_across_nodes_equals_one_process():
     with SimCluster(nodes=2, ranks_per_node=2, bandwidth="1gbit") as cluster:
         proc = cluster.run([sys.executable, os.path.join(HERE, "torch_check.py")], timeout=240,
                            capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert line, proc.stdout[-3000:] + proc.stderr[-12000:]
     got = json.loads(line[0][len("RESULT "):])
     assert (got["size"], got["num_nodes"]) == (4, 2), got
     assert got["auto"] <= 1e-5 and got["hierarchical"] <= 1e-5, got
@@ -164,7 +164,7 @@ def test_bench_allreduce_runs_itself_on_the_cluster(tmp_path):
                            "--algorithms", "native,ring", "--reps", "3", "--seconds", "0.2",
                            "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO,
                           timeout=240, env=without_job_variables(os.environ))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
     assert "2 ranks on 2 node(s) (detected)" in proc.stdout, proc.stdout
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip().startswith("64K")]
     assert [r[1] for r in rows] == ["native", "ring"] and all(r[-1] == "ok" for r in rows), rows

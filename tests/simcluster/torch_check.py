@@ -1,5 +1,6 @@
 """Run on a simulated cluster (tests/simcluster): mpidist.torch across real nodes against one
 process on the global batch; prints one JSON line from rank 0."""
+import faulthandler
 import importlib.util
 import json
 import os
@@ -14,7 +15,12 @@ _spec.loader.exec_module(_case)
 max_rel_diff = _case.max_rel_diff
 
 
+STACKS_AFTER = 200      # seconds; the test gives the run 240
+
+
 def main() -> None:
+    # a hang ends with every rank's stack on stderr, before the test's own timeout
+    faulthandler.dump_traceback_later(STACKS_AFTER, exit=True)
     c = Communicator()
     out = {"size": c.size, "num_nodes": c.num_nodes,
            "auto": max_rel_diff(c, "auto"), "hierarchical": max_rel_diff(c, "hierarchical")}
