@@ -51,7 +51,7 @@ run() {  # run LABEL NRANKS PYTEST-ARGS...
     [ $rc -eq 124 ] && echo "!!! $label hit the ${cap}s run limit (deadlock?)"
     for f in "$logdir"/rank*.log; do [ -s "$f" ] && { echo "--- $f (tail)"; tail -n 40 "$f"; }; done
     # a test that neared its timeout: where every rank's threads waited (tests/conftest.py)
-    for f in "$logdir"/stacks-rank*.txt; do [ -s "$f" ] && { echo "--- $f"; head -n 80 "$f"; }; done
+    for f in "$logdir"/stacks-rank*.txt; do grep -q "most recent call first" "$f" 2>/dev/null && { echo "--- $f"; head -n 80 "$f"; }; done
   fi
 }
 

@@ -88,6 +88,9 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if _STACKS is not None:
+        faulthandler.cancel_dump_traceback_later()
+        _STACKS.seek(0)
+        _STACKS.truncate()                  # the session ended: nothing held it up
         _STACKS.close()
 
 
@@ -112,24 +115,30 @@ def _timeout_of(item) -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Arm faulthandler to write every thread's stack, under a line naming the rank and the
-    test, STACK_LEAD seconds before the timeout; a test that ends in time leaves nothing."""
+    test, STACK_LEAD seconds before the timeout; a test that ends in time leaves nothing.
+    Between one test and the next the same timer stays armed, under a line saying so: a
+    rank held up there (where no test's timeout runs) shows where too."""
     limit = _timeout_of(item)
     armed = _STACKS is not None and limit > 0
+    after = limit - min(STACK_LEAD, limit / 4)
     if armed:
-        after = limit - min(STACK_LEAD, limit / 4)
-        _STACKS.seek(0)
-        _STACKS.truncate()
-        _STACKS.write(f"rank {RANK} of {SIZE}: {item.nodeid} still runs after {after:g} s "
-                      f"(timeout {limit:g} s); its threads:\n")
-        _STACKS.flush()
-        faulthandler.dump_traceback_later(after, file=_STACKS)
+        _arm_stacks(after, f"{item.nodeid} still runs after {after:g} s (timeout {limit:g} s)")
     try:
         yield
     finally:
         if armed:
-            faulthandler.cancel_dump_traceback_later()
-            _STACKS.seek(0)
-            _STACKS.truncate()
+            _arm_stacks(after, f"{after:g} s after {item.nodeid} ended, the next test has not "
+                               f"started")
+
+
+def _arm_stacks(after: float, what: str) -> None:
+    """This rank's stacks file: emptied, headed by `what`, its threads' stacks written
+    into it `after` seconds from now unless re-armed first."""
+    _STACKS.seek(0)
+    _STACKS.truncate()
+    _STACKS.write(f"rank {RANK} of {SIZE}: {what}; its threads:\n")
+    _STACKS.flush()
+    faulthandler.dump_traceback_later(after, file=_STACKS)
 
 
 def pytest_addoption(parser):
