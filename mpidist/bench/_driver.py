@@ -68,7 +68,7 @@ def add_worker_options(parser, build_order: bool = False) -> None:
 def in_build_order(names, args) -> list:
     """names in the order args.build_order says (BUILD_ORDERS: as given, or reversed)."""
     names = list(names)
-    return names[::-1] if getattr(args, "build_order", "forward") == "reverse" else names
+    return names[::-1] if args.build_order == "reverse" else names
 
 
 def without_cluster_options(argv: list[str]) -> list[str]:

@@ -103,7 +103,7 @@ def _worker(args) -> dict:
         slowest = np.empty(len(rows))
         comm.comm.Allreduce(np.asarray(rows), slowest, op=MPI.MAX)
         out[k] = _timing(slowest.tolist(), args.batch * comm.size)
-    out["build_orders"] = [getattr(args, "build_order", "forward")]
+    out["build_orders"] = [args.build_order]
     dist.destroy_process_group()
     comm.free()
     return out

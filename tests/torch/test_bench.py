@@ -56,7 +56,7 @@ def test_build_orders_are_pooled_and_the_worst_agreement_kept():
     from mpidist.bench._driver import in_build_order
     from mpidist.bench.torch_backend import merge
     assert in_build_order("ab", type("A", (), {"build_order": "reverse"})) == ["b", "a"]
-    assert in_build_order("ab", object()) == ["a", "b"]
+    assert in_build_order("ab", type("A", (), {"build_order": "forward"})) == ["a", "b"]
     rows = [{"ranks": 2, "batch_per_rank": 4, "agree": a, "build_orders": [o],
              "gloo": {"times": g}, "mpidist": {"times": m}}
             for a, o, g, m in ((0.0, "forward", [1.0, 3.0], [2.0, 2.0]),
