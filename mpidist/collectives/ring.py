@@ -17,14 +17,17 @@ Cost: 2(p-1) alpha + 2 (p-1)/p n beta + (p-1)/p n gamma.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import os
+import time
+import weakref
 
 from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.workspace import same_view, scratch
-from mpidist.collectives.waits import sendrecv, wait, waitall
+from mpidist.collectives.waits import sendrecv, waitany
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "segments",
@@ -32,6 +35,9 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "seg
 
 _TAG = 301
 _WORK = ("ring.work.0", "ring.work.1", "ring.work.2")     # scratch: partial sums in flight
+PACE_ABOVE = 4e-3        # seconds a segment takes on the wire, above which sends are paced
+_PACING = ("auto", "on", "off")
+_segment_seconds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # comm -> last
 
 
 def segment_bytes() -> int:
@@ -55,6 +61,20 @@ def _parse_segment_bytes(value: str | None) -> int:
     if seg < 1:
         raise ValueError(f"MPIDIST_SEGMENT_BYTES must be a positive number of bytes, got {value!r}")
     return seg
+
+
+def paced(comm) -> bool:
+    """Whether the ring keeps one send in flight rather than all (_Pipeline says why):
+    env MPIDIST_RING_PACING, "auto" (the default), "on" or "off". auto paces a ring across
+    nodes whose last measured segment took over PACE_ABOVE on the wire: on a slow link the
+    handshake that pacing adds before each segment is small against the segment, and on a
+    fast one it is not."""
+    mode = os.environ.get("MPIDIST_RING_PACING", "auto") or "auto"
+    if mode not in _PACING:
+        raise ValueError(f"MPIDIST_RING_PACING must be one of {', '.join(_PACING)}, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    return comm.num_nodes > 1 and _segment_seconds.get(comm, 0.0) > PACE_ABOVE
 
 
 def _whole_chunks(comm, n: int, seg: int) -> bool:
@@ -98,38 +118,78 @@ class _Pipeline:
     neighbour's forwarded segments find a posted receive. Buffer safety: when step t starts,
     every send up to step t-1 has completed, and step t+1 writes a buffer that no pending
     send of step t reads (three scratch buffers rotate in the reduce-scatter).
+
+    Paced, one send is in flight at a time, so segments leave in order: a transport that
+    moves large messages by rendezvous in fragments (TCP) interleaves the fragments of every
+    message in flight, so with all of them posted at once they all arrive at the end of the
+    step, and the receiver, with nothing to reduce or forward until then, leaves the link
+    idle. Each step after the first (both neighbours inside the call by then) measures how
+    long its segments took, for `paced` to decide the next call.
     """
 
     def __init__(self, comm, into: list, first, seg: int):
-        self.mpi, self.into, self.seg = comm.comm, into, seg
+        self.comm, self.mpi, self.into, self.seg = comm, comm.comm, into, seg
+        self.depth = 1 if paced(comm) else 1 << 30
         self.left, self.right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
-        self.sends = [self.mpi.Isend(first[lo:hi], self.right, _TAG)
-                      for lo, hi in segments(0, len(first), seg)]
-        self.forwards = []
+        self.queue = collections.deque(first[lo:hi] for lo, hi in segments(0, len(first), seg))
+        self.flying: list = []             # sends in flight, and their sequence numbers
+        self.numbers: list[int] = []
+        self.posted = 0                    # sends posted so far
+        self.step_first, self.step_sends = 0, len(self.queue)   # this step's sends: [first, sends)
+        self._pump()
         self.recvs = self._post(0)
+        self.began = None                  # when the step that is measured began
 
     def _post(self, t: int):
         dst = self.into[t]
         segs = segments(0, len(dst), self.seg)
         return [self.mpi.Irecv(dst[lo:hi], self.left, _TAG) for lo, hi in segs], segs
 
+    def _pump(self) -> None:
+        while self.queue and len(self.flying) < self.depth:
+            self.flying.append(self.mpi.Isend(self.queue.popleft(), self.right, _TAG))
+            self.numbers.append(self.posted)
+            self.posted += 1
+
+    def _step_sent(self) -> bool:
+        return self.posted >= self.step_sends and all(k >= self.step_sends for k in self.numbers)
+
+    def _until(self, req=None) -> None:
+        """Wait for req (None: for this step's sends), posting queued sends as those in
+        flight complete."""
+        while req if req is not None else not self._step_sent():
+            head = [req] if req is not None else []
+            i = waitany(head + self.flying) - len(head)
+            if i < 0:
+                return
+            del self.flying[i], self.numbers[i]
+            self._pump()
+
     def arrivals(self, t: int):
         """Step t: yield (lo, hi) of each segment of into[t] once it has arrived."""
         last = len(self.into) - 1
         ahead = self._post(t + 1) if 1 <= t < last else None
         for req, seg in zip(*self.recvs):
-            wait(req)
+            self._until(req)
             yield seg
-        waitall(self.sends)   # step t's sends: their buffers may be reused next step
-        self.sends, self.forwards = self.forwards, []
+        self._end_step()  # step t's sends: their buffers may be reused next step
         self.recvs = ahead if ahead is not None else self._post(t + 1) if t < last else None
 
     def forward(self, view) -> None:
         """Send view (a reduced or received segment) to the right, as part of the next step."""
-        self.forwards.append(self.mpi.Isend(view, self.right, _TAG))
+        self.queue.append(view)
+        self._pump()
 
     def close(self) -> None:
-        waitall(self.sends)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """Complete this step's sends; from the second step on, record their time per segment."""
+        self._until()
+        now, count = time.perf_counter(), self.step_sends - self.step_first
+        if self.began is not None and count > 1:
+            _segment_seconds[self.comm] = (now - self.began) / count
+        self.began, self.step_first, self.step_sends = now, self.step_sends, self.posted + len(self.queue)
 
 
 def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:

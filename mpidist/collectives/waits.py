@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpidist.backoff import Backoff
 
-__all__ = ["mark_patient", "is_patient", "waitall", "wait", "sendrecv"]
+__all__ = ["mark_patient", "is_patient", "waitall", "wait", "waitany", "sendrecv"]
 
 _local = threading.local()
 
@@ -44,6 +44,19 @@ def waitall(requests) -> None:
 def wait(request) -> None:
     """Complete one request (as waitall)."""
     waitall([request])
+
+
+def waitany(requests) -> int:
+    """Complete one of requests and return its index (as waitall: inside MPI, or on a
+    patient thread Testany with naps); the completed request becomes MPI.REQUEST_NULL."""
+    if not is_patient():
+        return MPI.Request.Waitany(requests)
+    pause = Backoff()
+    while True:
+        index, done = MPI.Request.Testany(requests)
+        if done:
+            return index
+        pause()
 
 
 def sendrecv(mpi, sendbuf, dest: int, sendtag: int, recvbuf, source: int, recvtag: int) -> None:

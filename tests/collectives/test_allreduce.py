@@ -5,6 +5,7 @@ import pytest
 
 from .collectives_data import DTYPES, MPI_OPS, close, digest, lengths, make, references
 from mpidist.collectives import ALGORITHMS, allreduce, guard
+from mpidist.comm import Communicator
 
 ALL = list(ALGORITHMS) + ["auto"]
 
@@ -103,3 +104,40 @@ def test_bad_arguments_raise_on_every_rank(comm):
         allreduce(ro, comm=comm)
     m = np.ones((2, 3), np.int64)
     assert allreduce(m, comm=comm, out=m) is m and np.all(m == comm.size)   # out=buf: in place
+
+
+@pytest.mark.parametrize("pacing", ["on", "off"])
+def test_paced_ring_matches_mpi_allreduce(comm, pacing, monkeypatch, guard_off):
+    """The segmented ring with one send in flight (sends in order) or all of them."""
+    monkeypatch.setenv("MPIDIST_SEGMENT_BYTES", "1024")
+    monkeypatch.setenv("MPIDIST_RING_PACING", pacing)
+    cases = [(np.dtype(dt), op, n, make(comm.rank, dt, op, n, i))
+             for i, (dt, op, n) in enumerate((dt, op, n) for dt in (np.float64, np.int32)
+                                             for op in ("sum", "max") for n in (2003, 9001))]
+    bad = [f"{dt} {op} n={n}" for (dt, op, n, x), ref in zip(cases, references(comm, cases))
+           if not close(allreduce(x, op=op, algorithm="ring", comm=comm,
+                                  out=np.empty_like(x)), ref)]
+    assert not bad, bad
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ring_paces_across_nodes_after_a_slow_segment(comm, monkeypatch):
+    """auto paces only between nodes, and only once a step measured its segments as slow;
+    a measurement is taken from the second step on; a bad setting is refused everywhere."""
+    from mpidist.collectives import ring
+    monkeypatch.setenv("MPIDIST_SEGMENT_BYTES", "1024")
+    sub = Communicator(comm.comm, ranks_per_node=1)      # every rank its own (simulated) node
+    try:
+        assert not ring.paced(sub)                       # nothing measured yet
+        x = np.ones(20000, np.float32)
+        allreduce(x, algorithm="ring", comm=sub, out=np.empty_like(x))
+        assert sub in ring._segment_seconds
+        ring._segment_seconds[sub] = 2 * ring.PACE_ABOVE
+        assert ring.paced(sub) and (comm.num_nodes > 1 or not ring.paced(comm))
+        ring._segment_seconds[sub] = ring.PACE_ABOVE / 2
+        assert not ring.paced(sub)
+        monkeypatch.setenv("MPIDIST_RING_PACING", "sometimes")
+        with pytest.raises(ValueError, match="MPIDIST_RING_PACING must be one of auto, on, off"):
+            allreduce(x, algorithm="ring", comm=sub, out=np.empty_like(x))
+    finally:
+        sub.free()
