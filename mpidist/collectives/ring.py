@@ -37,7 +37,8 @@ _TAG = 301
 _WORK = ("ring.work.0", "ring.work.1", "ring.work.2")     # scratch: partial sums in flight
 PACE_ABOVE = 4e-3        # seconds a segment takes on the wire, above which sends are paced
 _PACING = ("auto", "on", "off")
-_segment_seconds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # comm -> last
+# comm -> (the last step's seconds per segment, the lesser of the last two steps')
+_segment_seconds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def segment_bytes() -> int:
@@ -66,7 +67,8 @@ def _parse_segment_bytes(value: str | None) -> int:
 def paced(comm) -> bool:
     """Whether the ring keeps one send in flight rather than all (_Pipeline says why):
     env MPIDIST_RING_PACING, "auto" (the default), "on" or "off". auto paces a ring across
-    nodes whose last measured segment took over PACE_ABOVE on the wire: on a slow link the
+    nodes whose segments took over PACE_ABOVE on the wire in each of the last two measured
+    steps (one step slowed by something else does not decide it): on a slow link the
     handshake that pacing adds before each segment is small against the segment, and on a
     fast one it is not."""
     mode = os.environ.get("MPIDIST_RING_PACING", "auto") or "auto"
@@ -74,7 +76,7 @@ def paced(comm) -> bool:
         raise ValueError(f"MPIDIST_RING_PACING must be one of {', '.join(_PACING)}, got {mode!r}")
     if mode != "auto":
         return mode == "on"
-    return comm.num_nodes > 1 and _segment_seconds.get(comm, 0.0) > PACE_ABOVE
+    return comm.num_nodes > 1 and _segment_seconds.get(comm, (0.0, 0.0))[1] > PACE_ABOVE
 
 
 def _whole_chunks(comm, n: int, seg: int) -> bool:
@@ -188,8 +190,11 @@ class _Pipeline:
         self._until()
         now, count = time.perf_counter(), self.step_sends - self.step_first
         if self.began is not None and count > 1:
-            _segment_seconds[self.comm] = (now - self.began) / count
-        self.began, self.step_first, self.step_sends = now, self.step_sends, self.posted + len(self.queue)
+            last = (now - self.began) / count
+            before = _segment_seconds.get(self.comm, (last,))[0]
+            _segment_seconds[self.comm] = (last, min(last, before))
+        self.began, self.step_first = now, self.step_sends
+        self.step_sends = self.posted + len(self.queue)
 
 
 def _reduce_scatter_unsegmented(comm, sendbuf, mine, op: Op, plan) -> None:

@@ -132,9 +132,12 @@ def test_ring_paces_across_nodes_after_a_slow_segment(comm, monkeypatch):
         x = np.ones(20000, np.float32)
         allreduce(x, algorithm="ring", comm=sub, out=np.empty_like(x))
         assert sub in ring._segment_seconds
-        ring._segment_seconds[sub] = 2 * ring.PACE_ABOVE
+        slow, fast = 2 * ring.PACE_ABOVE, ring.PACE_ABOVE / 2
+        ring._segment_seconds[sub] = (slow, slow)
         assert ring.paced(sub) and (comm.num_nodes > 1 or not ring.paced(comm))
-        ring._segment_seconds[sub] = ring.PACE_ABOVE / 2
+        ring._segment_seconds[sub] = (fast, fast)
+        assert not ring.paced(sub)
+        ring._segment_seconds[sub] = (slow, fast)               # one slow step alone
         assert not ring.paced(sub)
         monkeypatch.setenv("MPIDIST_RING_PACING", "sometimes")
         with pytest.raises(ValueError, match="MPIDIST_RING_PACING must be one of auto, on, off"):
