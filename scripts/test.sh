@@ -52,6 +52,8 @@ run() {  # run LABEL NRANKS PYTEST-ARGS...
     for f in "$logdir"/rank*.log; do [ -s "$f" ] && { echo "--- $f (tail)"; tail -n 40 "$f"; }; done
     # a test that neared its timeout: where every rank's threads waited (tests/conftest.py)
     for f in "$logdir"/stacks-rank*.txt; do grep -q "most recent call first" "$f" 2>/dev/null && { echo "--- $f"; head -n 80 "$f"; }; done
+    # and their native frames inside MPI and HDF5 (gdb, where it could attach)
+    for f in "$logdir"/native-rank*.txt; do [ -s "$f" ] && { echo "--- $f"; grep -E "^(rank|Thread)|ompi|opal|mca_|PMPI|pmix|H5|ptrace|did not run" "$f" | head -n 60; }; done
   fi
 }
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -38,6 +39,7 @@ _HARNESS = _WORLD.Dup()          # the harness's own channel: never mixed with t
 RANK, SIZE = _HARNESS.Get_rank(), _HARNESS.Get_size()
 _RANK_LOG = None                 # ranks > 0: the file their report goes to
 _STACKS = None                   # where this rank's stacks go if a test nears its timeout
+_NATIVE = None                   # the process that then adds the native ones (gdb)
 STACK_LEAD = 20                  # seconds before the timeout that the stacks are written
                                  # (a quarter of it for timeouts under 80 s)
 
@@ -73,8 +75,14 @@ def pytest_configure(config):
     if logdir:
         os.makedirs(logdir, exist_ok=True)
         if SIZE > 1:
-            global _STACKS
-            _STACKS = open(os.path.join(logdir, f"stacks-rank{RANK}.txt"), "w")
+            global _STACKS, _NATIVE
+            path = os.path.join(logdir, f"stacks-rank{RANK}.txt")
+            _STACKS = open(path, "w")
+            if shutil.which("gdb"):           # the native stacks too, once Python's are written
+                _NATIVE = subprocess.Popen(
+                    [sys.executable, os.path.join(os.path.dirname(__file__), "native_stacks.py"),
+                     str(os.getpid()), path, os.path.join(logdir, f"native-rank{RANK}.txt")],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     if RANK != 0:
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
         path = os.path.join(logdir, f"rank{RANK}.log") if logdir else os.devnull
@@ -87,6 +95,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    if _NATIVE is not None:
+        _NATIVE.terminate()
     if _STACKS is not None:
         faulthandler.cancel_dump_traceback_later()
         _STACKS.seek(0)

@@ -15,7 +15,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run_pytest(tmp_path, n, body, *args, limit=120):
     """Run a throw-away test file with the real conftest under mpiexec -n n."""
-    shutil.copy(os.path.join(HERE, "conftest.py"), tmp_path / "conftest.py")
+    for name in ("conftest.py", "native_stacks.py"):
+        shutil.copy(os.path.join(HERE, name), tmp_path / name)
     (tmp_path / "test_case.py").write_text(body)
     env = dict(os.environ, MPIDIST_TEST_LOGDIR=str(tmp_path))
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--color=no",
@@ -34,15 +35,19 @@ def test_deadlock_is_stopped_and_reported(tmp_path):
         "    if comm.rank == 0:\n"
         "        comm.comm.recv(source=1, tag=99)   # never sent: rank 0 blocks forever\n"
         "    comm.comm.Barrier()\n")
-    proc, took = run_pytest(tmp_path, 2, body, "--timeout=5")
+    proc, took = run_pytest(tmp_path, 2, body, "--timeout=16")
     assert proc.returncode != 0
-    assert took < 60, f"deadlock not stopped in time ({took:.0f} s)"
+    assert took < 70, f"deadlock not stopped in time ({took:.0f} s)"
     assert "Timeout" in proc.stdout + proc.stderr
     # before the timeout, every rank wrote where it waited, not only the first to time out
     for rank, line in ((0, 4), (1, 5)):           # rank 0 in recv, rank 1 in Barrier
         stacks = (tmp_path / f"stacks-rank{rank}.txt").read_text()
         assert stacks.startswith(f"rank {rank} of 2: test_case.py::test_deadlock still runs"), stacks
         assert f'test_case.py", line {line} in test_deadlock' in stacks, stacks
+        if shutil.which("gdb"):                   # and its native frames, inside MPI
+            native = (tmp_path / f"native-rank{rank}.txt").read_text()
+            assert native.startswith(f"rank {rank} of 2: test_case.py::test_deadlock"), native
+            assert "ptrace" in native or "PMPI_" in native, native
 
 
 @pytest.mark.launcher
