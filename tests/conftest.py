@@ -40,6 +40,7 @@ RANK, SIZE = _HARNESS.Get_rank(), _HARNESS.Get_size()
 _RANK_LOG = None                 # ranks > 0: the file their report goes to
 _STACKS = None                   # where this rank's stacks go if a test nears its timeout
 _NATIVE = None                   # the process that then adds the native ones (gdb)
+_KEPT = 0                        # stacks files kept from earlier armings
 STACK_LEAD = 20                  # seconds before the timeout that the stacks are written
                                  # (a quarter of it for timeouts under 80 s)
 
@@ -77,7 +78,7 @@ def pytest_configure(config):
         if SIZE > 1:
             global _STACKS, _NATIVE
             path = os.path.join(logdir, f"stacks-rank{RANK}.txt")
-            _STACKS = open(path, "w")
+            _STACKS = open(path, "w+")
             if shutil.which("gdb"):           # the native stacks too, once Python's are written
                 _NATIVE = subprocess.Popen(
                     [sys.executable, os.path.join(os.path.dirname(__file__), "native_stacks.py"),
@@ -97,6 +98,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _NATIVE is not None:
         _NATIVE.terminate()
+        _NATIVE.wait(timeout=10)
     if _STACKS is not None:
         faulthandler.cancel_dump_traceback_later()
         _STACKS.seek(0)
@@ -143,7 +145,16 @@ def pytest_runtest_protocol(item, nextitem):
 
 def _arm_stacks(after: float, what: str) -> None:
     """This rank's stacks file: emptied, headed by `what`, its threads' stacks written
-    into it `after` seconds from now unless re-armed first."""
+    into it `after` seconds from now unless re-armed first. Stacks the timer wrote since
+    the last arming are kept first, in stacks-rankN.K.txt (a rank that was held up and
+    then went on leaves where it was held)."""
+    _STACKS.seek(0)
+    written = _STACKS.read()
+    if "most recent call first" in written:
+        global _KEPT
+        _KEPT += 1
+        with open(_STACKS.name[:-len(".txt")] + f".{_KEPT}.txt", "w") as kept:
+            kept.write(written)
     _STACKS.seek(0)
     _STACKS.truncate()
     _STACKS.write(f"rank {RANK} of {SIZE}: {what}; its threads:\n")

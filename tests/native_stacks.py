@@ -5,6 +5,7 @@ rank waiting inside the MPI library shows in which call and which progress loop.
     python tests/native_stacks.py PID STACKS_FILE OUT_FILE
 
 Exits when the rank does. Where gdb cannot attach (ptrace forbidden), OUT_FILE says why.
+A later capture (the rank held up again) goes beside it, in OUT_FILE's name with .1, .2.
 """
 import os
 import subprocess
@@ -23,7 +24,7 @@ def _alive(pid: int) -> bool:
 
 
 def main(pid: int, stacks: str, out: str) -> None:
-    seen = None
+    seen, taken = None, 0
     while _alive(pid):
         time.sleep(0.5)
         try:
@@ -41,7 +42,10 @@ def main(pid: int, stacks: str, out: str) -> None:
             report = run.stdout + run.stderr
         except (OSError, subprocess.TimeoutExpired) as exc:
             report = f"gdb did not run: {exc}\n"
-        with open(out, "w") as f:
+        # the first capture in OUT_FILE, later ones beside it (rankN.1.txt, ...)
+        path = out if not taken else out[:-len(".txt")] + f".{taken}.txt"
+        taken += 1
+        with open(path, "w") as f:
             f.write(text.splitlines()[0] + "\n" + report)
 
 

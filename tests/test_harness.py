@@ -51,6 +51,24 @@ def test_deadlock_is_stopped_and_reported(tmp_path):
 
 
 @pytest.mark.launcher
+def test_a_rank_held_up_and_then_going_on_leaves_where_it_was_held(tmp_path):
+    body = (
+        "import time\n"
+        "def test_slow_on_rank_0(comm):\n"
+        "    if comm.rank == 0:\n"
+        "        time.sleep(7)                       # past the stacks' time, within the timeout\n"
+        "    comm.comm.Barrier()\n"
+        "def test_next(comm):\n"
+        "    comm.comm.Barrier()\n")
+    proc, _ = run_pytest(tmp_path, 2, body, "--timeout=8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = (tmp_path / "stacks-rank0.1.txt").read_text()
+    assert kept.startswith("rank 0 of 2: test_case.py::test_slow_on_rank_0 still runs"), kept
+    assert 'test_case.py", line 4 in test_slow_on_rank_0' in kept, kept
+    assert (tmp_path / "stacks-rank0.txt").read_text() == ""   # the session ended: emptied
+
+
+@pytest.mark.launcher
 def test_failure_on_one_rank_fails_everywhere(tmp_path):
     body = (
         "def test_one_rank_fails(comm):\n"
