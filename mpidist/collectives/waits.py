@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from mpidist.backoff import Backoff
 
-__all__ = ["mark_patient", "is_patient", "waitall", "wait", "waitany", "sendrecv"]
+__all__ = ["mark_patient", "is_patient", "waitall", "waitany", "sendrecv"]
 
 _local = threading.local()
 
@@ -39,11 +39,6 @@ def waitall(requests) -> None:
     pause = Backoff()
     while not MPI.Request.Testall(requests):
         pause()
-
-
-def wait(request) -> None:
-    """Complete one request (as waitall)."""
-    waitall([request])
 
 
 def waitany(requests) -> int:
