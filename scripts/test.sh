@@ -53,7 +53,10 @@ run() {  # run LABEL NRANKS PYTEST-ARGS...
     # a test that neared its timeout: where every rank's threads waited (tests/conftest.py)
     for f in "$logdir"/stacks-rank*.txt; do grep -q "most recent call first" "$f" 2>/dev/null && { echo "--- $f"; head -n 80 "$f"; }; done
     # and their native frames inside MPI and HDF5 (gdb, where it could attach)
-    for f in "$logdir"/native-rank*.txt; do [ -s "$f" ] && { echo "--- $f"; grep -E "^(rank|Thread)|ompi|opal|mca_|PMPI|pmix|H5|ptrace|did not run" "$f" | head -n 60; }; done
+    # (after the kernel's view: the host's load, and threads blocked in the kernel)
+    for f in "$logdir"/native-rank*.txt; do [ -s "$f" ] && { echo "--- $f"
+        grep -E "^(loadavg|pressure/memory)" "$f"; grep -A6 -E "^task .* state D" "$f" | head -n 30
+        grep -E "^(rank|Thread)|ompi|opal|mca_|PMPI|pmix|H5|ptrace|did not run" "$f" | head -n 60; }; done
   fi
 }
 

@@ -48,6 +48,7 @@ def test_deadlock_is_stopped_and_reported(tmp_path):
             native = (tmp_path / f"native-rank{rank}.txt").read_text()
             assert native.startswith(f"rank {rank} of 2: test_case.py::test_deadlock"), native
             assert "ptrace" in native or "PMPI_" in native, native
+            assert "\ntask " in native and " wchan " in native, native   # the kernel's view
 
 
 @pytest.mark.launcher
