@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from mpidist import threadend
 from mpidist.collectives import flight
 from mpidist.collectives.handle import Handle
 from mpidist.collectives.node.reductions import reduce_chunk
@@ -194,7 +195,7 @@ class SharedBuffer:
         """Collective: end the worker and free the window."""
         if self._pool is None:
             return
-        self._pool.shutdown(wait=True)
+        threadend.shutdown(self._pool)
         self._pool = None
         self.slices, self.data = [], None
         self._window.free()
