@@ -16,9 +16,6 @@ the next one's through its `want` word: large while a call that needs it is rece
 rank (_cast). Filling the record, MPI_Allreduce and the check run in one compiled function
 that calls the MPI library's C entry point, since at a few microseconds per call each
 Python-level step counts; across nodes, carrying the data saves the check's own round trip.
-A worker thread beside compute (waits.is_patient) sends the same record by MPI_Iallreduce
-and waits with naps, so that a rank waiting for the others to reach the check leaves its
-core to the compute.
 The entry points are looked up through mpi4py's own module (the library mpi4py calls, shim or
 not), and every MPI handle is passed at the width mpi4py gives its type (MPI._sizeof: a
 pointer in Open MPI, a 32-bit int in MPICH). Where that can not be done on some rank (or
@@ -38,8 +35,6 @@ from llvmlite import ir
 from mpi4py import MPI
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
-
-from mpidist.collectives.waits import is_patient, waitall
 
 __all__ = ["CARRY", "SMALL", "LINGER", "Ballot", "of", "compile_kernels"]
 
@@ -134,20 +129,7 @@ def _cast(ballot, handles, x, y, digest, meta):
     (meta describes x, meta() made it); on agreement copy the reduced payload into y.
     Returns the elements carried (all of x or none) when the ranks agreed, -1 when they
     differ, or -1 - MPI's error code. Without the GIL, as mpi4py calls MPI: the watchdog
-    thread must run while a rank waits here for one that never comes."""
-    k = _fill(ballot, handles, x, digest, meta)
-    words = ballot[:_WORDS].view(np.int64)
-    rc = _call_allreduce(words[0], words[1], ballot[_WORDS:].ctypes.data, np.int32(1),
-                         handles[_NEXT], handles[_OP], handles[_COMM])
-    if rc != 0:
-        return -1 - rc
-    return _read(ballot, handles, y, k)
-
-
-@njit(cache=True, nogil=True)
-def _fill(ballot, handles, x, digest, meta):
-    """_cast's first half: the record for digest, with x as payload where it fits; returns
-    the elements carried.
+    thread must run while a rank waits here for one that never comes.
 
     The record's size for the next check is agreed by this one: its `want` word, reduced
     by MAX, is set while a call that needs a large record (it fits that and not a small
@@ -174,21 +156,15 @@ def _fill(ballot, handles, x, digest, meta):
     header[2] = k << 8 | (meta & 255)
     header[3] = 0
     header[4] = 1 if words[2] > 0 else 0
-    return k
-
-
-@njit(cache=True, nogil=True)
-def _read(ballot, handles, y, k):
-    """_cast's second half, once the record is reduced: the next record's size, then -1
-    when the ranks differ, else k with the k carried elements copied into y."""
-    record = ballot[_WORDS:]
-    header = record[:8 * _HEADER].view(np.int64)
-    body = record[8 * _HEADER:]
+    rc = _call_allreduce(words[0], words[1], record.ctypes.data, np.int32(1), handles[_NEXT],
+                         handles[_OP], handles[_COMM])
+    if rc != 0:
+        return -1 - rc
     handles[_NEXT] = handles[_LARGE_TYPE] if header[4] != 0 else handles[_SMALL_TYPE]
     if header[0] != -header[1] or header[3] != 0:
         return -1
     yb = y.view(np.uint8)
-    for i in range(k * y.itemsize):
+    for i in range(nbytes):
         yb[i] = body[i]
     return k
 
@@ -223,11 +199,9 @@ def compile_kernels():
     state = types.Array(types.uint8, 1, "C")
     handles = types.Array(numba.from_dtype(_handle_dtype()), 1, "C")
     _vote.compile((state, handles, types.int64))
-    for data in [state] + [types.Array(numba.from_dtype(np.dtype(d)), 1, "C") for d in _DTYPES]:
-        if data is not state:
-            _cast.compile((state, handles, data, data, types.int64, types.int64))
-        _fill.compile((state, handles, data, types.int64, types.int64))
-        _read.compile((state, handles, data, types.int64))
+    for dtype in _DTYPES:
+        data = types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
+        _cast.compile((state, handles, data, data, types.int64, types.int64))
     return combine
 
 
@@ -290,7 +264,6 @@ class Ballot:
             self.votes = np.zeros(2, np.int64)
             return
         address, op, small, large, hdtype = made
-        self.op, self.types = op, {False: small, True: large}
         self.state, self.capacity = np.zeros(_WORDS + _RECORD, np.uint8), CARRY
         self.state[:_WORDS].view(np.int64)[:] = (address, int(MPI.IN_PLACE), 0)
         self.handles = np.array([_word(h, hdtype) for h in (large, op, self.comm, small, large)],
@@ -301,14 +274,8 @@ class Ballot:
         if self.state is None:
             v = self.votes
             v[0], v[1] = digest, -digest
-            if is_patient():
-                waitall([self.comm.Iallreduce(MPI.IN_PLACE, v, MPI.MAX)])
-            else:
-                self.comm.Allreduce(MPI.IN_PLACE, v, MPI.MAX)
+            self.comm.Allreduce(MPI.IN_PLACE, v, MPI.MAX)
             return v[0] == -v[1]
-        if is_patient():
-            empty = self.state[:0]
-            return self._patiently(empty, empty, digest, 0) == 0
         rc = _vote(self.state, self.handles, digest)
         if rc < -1:
             raise MPI.Exception(-1 - rc)
@@ -328,10 +295,7 @@ class Ballot:
         """vote(), also reducing x into y by op where it fits the record (meta from
         meta()): returns the elements reduced (x.size or 0: then the caller reduces them),
         or -1 when the ranks differ (y untouched)."""
-        if is_patient():
-            k = self._patiently(x, y, digest, meta)
-        else:
-            k = _cast(self.state, self.handles, x, y, digest, meta)
+        k = _cast(self.state, self.handles, x, y, digest, meta)
         if k < 0:
             if k < -1:
                 raise MPI.Exception(-1 - k)
@@ -339,19 +303,6 @@ class Ballot:
         if op.average and k:
             op.finalize(y[:k], self.size)
         return k
-
-
-    def _patiently(self, x, y, digest: int, meta: int) -> int:
-        """_cast on a thread beside compute (waits.is_patient): the same record, reduced by
-        a nonblocking allreduce waited for with naps rather than inside MPI, which would
-        spin on a core the compute needs while the other ranks catch up. Every rank of a
-        communicator calls from the same kind of thread (the workers are patient on all of
-        them), so the blocking and nonblocking forms never meet in one collective."""
-        k = _fill(self.state, self.handles, x, digest, meta)
-        large = bool(self.handles[_NEXT] == self.handles[_LARGE_TYPE])
-        record = [self.state[_WORDS:], 1, self.types[large]]
-        waitall([self.comm.Iallreduce(MPI.IN_PLACE, record, self.op)])
-        return _read(self.state, self.handles, y, k)
 
 
 def of(comm) -> Ballot:

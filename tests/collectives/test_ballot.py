@@ -16,15 +16,12 @@ from mpidist.errors import MismatchError
 SIZES = (0, 1, 3, 54, 55, 255, 256, 257, 1000)  # float32: up to 54 fit a small record, 256 a large
 
 
-@pytest.fixture(params=["carried", "plain", "carried, patient", "plain, patient"])
+@pytest.fixture(params=["carried", "plain"])
 def ballot_comm(request, comm, monkeypatch):
     """comm's ranks on a fresh communicator, whose ballot carries data ("carried") or is
-    the two-word MPI_MAX vote ("plain", as where ctypes can not reach the MPI library);
-    "patient": voting as a worker thread beside compute does (nonblocking, with naps)."""
-    if request.param.startswith("plain"):
+    the two-word MPI_MAX vote ("plain", as where ctypes can not reach the MPI library)."""
+    if request.param == "plain":
         monkeypatch.setitem(ballot._shared, "made", "the test's plain form")
-    if request.param.endswith("patient"):
-        monkeypatch.setattr(ballot, "is_patient", lambda: True)
     c = Communicator(comm.comm)
     yield c
     c.free()
