@@ -4,14 +4,10 @@ The suite runs with plain `pytest` (one rank) and under `mpiexec -n N python -m 
 - Every test's outcome is agreed across ranks before it is reported: a failure (or error)
   on any rank fails the test on every rank, naming the ranks, so no rank reports a pass
   that another contradicts, and no rank runs ahead into the next test's collectives.
-- Per-test timeouts: pytest-timeout (signal method) fails a test stuck in Python; a
-  watcher process beside each rank (tests/native_stacks.py) kills a rank stuck inside a C
-  call (MPI) shortly after, which makes mpiexec abort the whole job: a deadlock fails
-  instead of hanging CI. Shortly before the timeout, the watcher has every rank write where
-  its threads wait to stacks-rank<R>.txt in MPIDIST_TEST_LOGDIR (faulthandler, on a
-  signal), then adds the kernel's and gdb's view, since the first rank to time out ends the
-  job and only its stack would be seen. The rank itself starts no thread per test: threads
-  ending beside the rank's own memory calls hung ranks inside the kernel (mpidist.threadend).
+- Per-test timeouts (pytest-timeout, thread method) kill a deadlocked rank, which makes
+  mpiexec abort the whole job: a deadlock fails instead of hanging CI. Shortly before,
+  every rank writes where its threads wait to stacks-rank<R>.txt in MPIDIST_TEST_LOGDIR,
+  since the first rank to time out ends the job and only its stack would be seen.
 - The `comm` fixture is a fresh mpidist Communicator. In the files the `every_comm` ini
   option names (setup.cfg), a test that takes it runs three times, on the communicators a
   host code with its own communicator would pass: the world's duplicate (`[world]`),
@@ -31,11 +27,9 @@ from __future__ import annotations
 import faulthandler
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 from mpi4py import MPI
@@ -45,13 +39,10 @@ _HARNESS = _WORLD.Dup()          # the harness's own channel: never mixed with t
 RANK, SIZE = _HARNESS.Get_rank(), _HARNESS.Get_size()
 _RANK_LOG = None                 # ranks > 0: the file their report goes to
 _STACKS = None                   # where this rank's stacks go if a test nears its timeout
-_WATCH = None                    # what the watcher reads: when to take stacks, when to kill
-_NATIVE = None                   # the watcher: takes the stacks, adds the native ones, kills
+_NATIVE = None                   # the process that then adds the native ones (gdb)
 _KEPT = 0                        # stacks files kept from earlier armings
 STACK_LEAD = 20                  # seconds before the timeout that the stacks are written
                                  # (a quarter of it for timeouts under 80 s)
-KILL_GRACE = 10                  # seconds past the timeout that the watcher kills the rank
-STACKS_SIGNAL = signal.SIGUSR2   # the watcher's request for this rank's Python stacks
 
 # the host code's sub-communicator (first max(p-1, 1) ranks), made once, and the harness's
 # channel among its members
@@ -71,10 +62,9 @@ def _comm_kind(item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    # no timer thread per test (the module docstring); a rank blocked inside MPI, which a
-    # signal's Python handler never reaches, is killed by its watcher
-    if getattr(config.option, "timeout_method", None) in (None, "thread"):
-        config.option.timeout_method = "signal"
+    # a rank blocked inside MPI never sees a signal: only the thread method can stop it
+    if getattr(config.option, "timeout_method", None) in (None, "signal"):
+        config.option.timeout_method = "thread"
     config.addinivalue_line("markers", "mpi(min_size=1): needs at least min_size MPI ranks")
     config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA GPU")
     config.addinivalue_line("markers", "launcher: starts its own mpiexec/processes; runs only "
@@ -85,17 +75,15 @@ def pytest_configure(config):
     logdir = os.environ.get("MPIDIST_TEST_LOGDIR")
     if logdir:
         os.makedirs(logdir, exist_ok=True)
-        global _STACKS, _WATCH, _NATIVE
-        path = os.path.join(logdir, f"stacks-rank{RANK}.txt")
-        _STACKS = open(path, "w+")
-        _WATCH = os.path.join(logdir, f"watch-rank{RANK}.txt")
-        _disarm()
-        faulthandler.register(STACKS_SIGNAL, file=_STACKS, all_threads=True, chain=False)
-        _NATIVE = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(__file__), "native_stacks.py"),
-             str(os.getpid()), path, _WATCH, os.path.join(logdir, f"native-rank{RANK}.txt"),
-             str(int(STACKS_SIGNAL))],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        if SIZE > 1:
+            global _STACKS, _NATIVE
+            path = os.path.join(logdir, f"stacks-rank{RANK}.txt")
+            _STACKS = open(path, "w+")
+            if shutil.which("gdb"):           # the native stacks too, once Python's are written
+                _NATIVE = subprocess.Popen(
+                    [sys.executable, os.path.join(os.path.dirname(__file__), "native_stacks.py"),
+                     str(os.getpid()), path, os.path.join(logdir, f"native-rank{RANK}.txt")],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
     if RANK != 0:
         config.option.xmlpath = None          # one JUnit report per run, from rank 0
         path = os.path.join(logdir, f"rank{RANK}.log") if logdir else os.devnull
@@ -109,11 +97,10 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if _NATIVE is not None:
-        _disarm()
         _NATIVE.terminate()
         _NATIVE.wait(timeout=10)
     if _STACKS is not None:
-        faulthandler.unregister(STACKS_SIGNAL)
+        faulthandler.cancel_dump_traceback_later()
         _STACKS.seek(0)
         _STACKS.truncate()                  # the session ended: nothing held it up
         _STACKS.close()
@@ -147,8 +134,7 @@ def pytest_runtest_protocol(item, nextitem):
     armed = _STACKS is not None and limit > 0
     after = limit - min(STACK_LEAD, limit / 4)
     if armed:
-        _arm_stacks(after, f"{item.nodeid} still runs after {after:g} s (timeout {limit:g} s)",
-                    limit + KILL_GRACE)
+        _arm_stacks(after, f"{item.nodeid} still runs after {after:g} s (timeout {limit:g} s)")
     try:
         yield
     finally:
@@ -157,25 +143,11 @@ def pytest_runtest_protocol(item, nextitem):
                                f"started")
 
 
-def _watch(stacks_at: float, kill_at: float, what: str) -> None:
-    """Tell the watcher (one line, replaced whole): take this rank's stacks at time
-    stacks_at, kill it at kill_at (time.time() values; inf: never)."""
-    tmp = _WATCH + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{stacks_at!r} {kill_at!r} {what}\n")
-    os.replace(tmp, _WATCH)
-
-
-def _disarm() -> None:
-    _watch(float("inf"), float("inf"), "disarmed")
-
-
-def _arm_stacks(after: float, what: str, kill_after: float = float("inf")) -> None:
+def _arm_stacks(after: float, what: str) -> None:
     """This rank's stacks file: emptied, headed by `what`, its threads' stacks written
-    into it `after` seconds from now unless re-armed first (the watcher signals the rank,
-    whose faulthandler writes them), and the rank killed `kill_after` seconds from now.
-    Stacks written since the last arming are kept first, in stacks-rankN.K.txt (a rank
-    that was held up and then went on leaves where it was held)."""
+    into it `after` seconds from now unless re-armed first. Stacks the timer wrote since
+    the last arming are kept first, in stacks-rankN.K.txt (a rank that was held up and
+    then went on leaves where it was held)."""
     _STACKS.seek(0)
     written = _STACKS.read()
     if "most recent call first" in written:
@@ -187,8 +159,7 @@ def _arm_stacks(after: float, what: str, kill_after: float = float("inf")) -> No
     _STACKS.truncate()
     _STACKS.write(f"rank {RANK} of {SIZE}: {what}; its threads:\n")
     _STACKS.flush()
-    now = time.time()
-    _watch(now + after, now + kill_after, what)
+    faulthandler.dump_traceback_later(after, file=_STACKS)
 
 
 def pytest_addoption(parser):

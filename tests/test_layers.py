@@ -9,10 +9,9 @@ from tests.test_imports import folder_graph, graph
 # bottom first; each a set of folders right below mpidist
 LAYERS: list[set[str]] = [
     # no MPI communication: errors, sizes and the partition, the MPI library and its
-    # environment, threads (their counts and their ends), the array kernels, HDF5,
-    # starting processes
+    # environment, threads, the array kernels, HDF5, starting processes
     {"errors", "sizes", "partition", "checks", "backoff", "mpienv", "mpilib", "threads",
-     "threadend", "kernels", "h5", "launcher", "simcluster"},
+     "kernels", "h5", "launcher", "simcluster"},
     # the Communicator (topology, sub-communicators) and ULFM's detect / revoke / shrink
     {"comm", "ulfm"},
     # the allreduce algorithms, their selection and tuning, the mismatch guard

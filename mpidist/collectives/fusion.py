@@ -26,7 +26,6 @@ from mpidist.collectives.ops import get_op
 from mpidist.collectives.handle import Handle
 from mpidist.collectives.waits import mark_patient
 from mpidist.collectives.registry import get_algorithm
-from mpidist import threadend
 from mpidist.comm import as_communicator, on_free
 from mpidist.kernels.backend import get_array_module, handoff, take_over
 
@@ -81,7 +80,7 @@ def _stop_worker(c) -> None:
     with _lock:
         w = _workers.pop(c, None)
     if w is not None:
-        threadend.shutdown(w.pool)
+        w.pool.shutdown(wait=True)
 
 
 on_free(_stop_worker)

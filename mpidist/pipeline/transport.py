@@ -12,7 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from mpidist import mpilib, threadend
+from mpidist import mpilib
 from mpidist.comm import Communicator
 
 __all__ = ["BufferPool", "ProgressThread", "single_copy"]
@@ -66,7 +66,7 @@ class ProgressThread:
     def __exit__(self, *exc):
         self._stop.set()
         self.computing.set()                    # wake the loop so it sees the stop
-        threadend.join(self._thread)
+        self._thread.join()
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mpidist import threadend
 from mpidist.collectives import flight
 from mpidist.collectives.handle import Handle
 from mpidist.collectives.node.reductions import reduce_chunk
@@ -195,7 +194,7 @@ class SharedBuffer:
         """Collective: end the worker and free the window."""
         if self._pool is None:
             return
-        threadend.shutdown(self._pool)
+        self._pool.shutdown(wait=True)
         self._pool = None
         self.slices, self.data = [], None
         self._window.free()

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidist import threadend
 from mpidist.collectives import flight, guard, node, select
 from mpidist.collectives.arrays import as_array
 from mpidist.collectives.core import reduced_bytes, run_allreduce
@@ -160,7 +159,7 @@ class Group(Movement):
         """Finish queued work and free the communicators (collective over the group)."""
         for pool in (self._pool, self._p2p_pool):
             if pool is not None:
-                threadend.shutdown(pool)
+                pool.shutdown(wait=True)
         self._pool = self._p2p_pool = None
         self._window = None                     # freed with the communicator
         if self._p2p != MPI.COMM_NULL:
