@@ -33,8 +33,8 @@ status=0
 
 # a thread asleep (state D) where the kernel takes the address space's lock (mmap, munmap,
 # madvise) with no thread holding it: seen on Linux 6.18 when threads start or end beside the
-# rank's own memory calls. Not the suite's or MPI's deadlock, so the
-# stage runs once more (loudly); a stage that fails again, or fails otherwise, fails.
+# rank's own memory calls. Not the suite's or MPI's deadlock, so the stage runs once more
+# (loudly); a stage that fails again, or fails otherwise, fails.
 KERNEL_WEDGE='^task .* state D wchan (vm_mmap_pgoff|__vm_munmap|madvise_do_behavior|do_madvise|__do_munmap)'
 
 attempt() {  # attempt LABEL LOGDIR NRANKS PYTEST-ARGS...: one run of a stage; returns its status
