@@ -28,7 +28,7 @@ step "gpu tests, 1 rank" 240 "$py" -m mpidist.launcher --env-only -- \
   "$py" -m pytest -q -m gpu -p no:cacheprovider tests
 step "gpu tests, 2 ranks" 240 "$py" -m mpidist.launcher -n 2 -- \
   "$py" -m pytest -q -m gpu -p no:cacheprovider tests/collectives tests/engine tests/ps \
-  tests/test_comm.py
+  tests/torch tests/test_comm.py
 step "bench gpu, kernels" 180 "$py" -m mpidist.launcher -n 1 -- \
   "$py" -m mpidist bench gpu --only bandwidth,optim,compress --out "$out/kernels"
 step "bench gpu, allreduce at 2 ranks" 120 "$py" -m mpidist.launcher -n 2 -- \

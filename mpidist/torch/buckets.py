@@ -23,6 +23,11 @@ final, in the pass that copies it into the buffer where there is one, so the red
 sum is the average itself and no pass over the buffer follows. A parameter with no
 gradient on any rank (`.grad` None everywhere) gets `.grad` None back after the
 reduction (`unused`), as one process on the whole batch would have it.
+
+CUDA parameters: the copies, scaling and Inf/NaN checks are torch's operations on the
+device (the checks accumulate in a device flag read once, when every gradient is final);
+a bucket's launch is queued on torch's current stream (mpidist.torch.tensors.torch_stream),
+so MPI reads it after backward wrote it, without stopping backward to wait.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from mpi4py import MPI
 
 from mpidist.engine.distributed import make_buckets
 from mpidist.kernels.grads_cpu import all_finite, copy_finite, copy_scaled_finite
-from mpidist.torch.tensors import to_numpy
+from mpidist.torch.tensors import device_synchronize, to_numpy, torch_stream
 
 __all__ = ["GradientBuckets"]
 
@@ -62,6 +67,7 @@ class GradientBuckets:
         self.params, self.layout, self.storage = params, layout, storage
         self.scale, self.sync = float(scale), True
         self.exchange, self.comm, self.passes_per_step = exchange, comm, passes_per_step
+        self.device = storage.device
         self.buckets = make_buckets(layout, storage.grads.dtype.itemsize, bucket_mb)
         self._bucket_of = np.empty(len(layout), np.int64)
         for b, (lo, hi) in enumerate(self.buckets):
@@ -85,6 +91,7 @@ class GradientBuckets:
         self._pending = self._size_of.copy()
         self._handles: list = []
         self._finite = True
+        self._finite_dev = None                 # CUDA: the device's Inf/NaN flag
         self._synced = None
         self._flag, self._flag_req = None, None
         self._errors: list[str] = []
@@ -173,19 +180,24 @@ class GradientBuckets:
             gview.mul_(s)
         if not final:
             return
-        if not self._window:
+        if self.device.type == "cuda":
+            fin = torch.isfinite(self.storage.gviews[i]).all()
+            self._finite_dev = fin if self._finite_dev is None else self._finite_dev & fin
+        elif not self._window:
             self._finite &= bool(all_finite(self.storage.gflat[i]) if ok is None else ok)
         self._pending[self._bucket_of[i]] -= 1
         self._launch()
 
     def _launch(self) -> None:
         t0 = time.perf_counter()
-        while len(self._handles) < len(self.buckets) and self._pending[len(self._handles)] == 0:
-            b = len(self._handles)
-            lo, hi = self.buckets[b]
-            self._handles.append(self.exchange.launch(lo, hi, self._own[b]))
-            if len(self._handles) == len(self.buckets):
-                self.exchange.launched()
+        with torch_stream(self.device):
+            while len(self._handles) < len(self.buckets) and \
+                    self._pending[len(self._handles)] == 0:
+                b = len(self._handles)
+                lo, hi = self.buckets[b]
+                self._handles.append(self.exchange.launch(lo, hi, self._own[b]))
+                if len(self._handles) == len(self.buckets):
+                    self.exchange.launched()
         self.t_launch += time.perf_counter() - t0
 
     def _post_flags(self) -> None:
@@ -193,6 +205,8 @@ class GradientBuckets:
         whether its gradients were finite, its errors, which parameters had a gradient.
         Posted once every gradient is final; it is small, so it is back before the first
         bucket is, which the update of that bucket needs."""
+        if self._finite_dev is not None:
+            self._finite &= bool(self._finite_dev)
         self._flag = np.concatenate([[0.0 if self._finite else 1.0, float(len(self._errors))],
                                      self._had])
         c = self.comm
@@ -235,6 +249,7 @@ class GradientBuckets:
                     agreed = self._agree()
                 if agreed:
                     each(self.buckets[b])
+        device_synchronize(self.device)     # CUDA: the sums are in the buffer, for any stream
         if agreed is None:
             self._agree()
         summed_finite = self.exchange.complete()

@@ -21,6 +21,8 @@ from mpidist.checkpoint.format import IncompatibleCheckpointError
 from mpidist.state import TensorPiece
 from mpidist.torch.onebit import Onebit
 from mpidist.torch.optimizer import DistributedOptimizer
+from mpidist.kernels.backend import get_array_module
+from mpidist.kernels.backend import to_numpy as host_array
 from mpidist.torch.tensors import to_numpy
 
 __all__ = ["save_checkpoint", "load_checkpoint", "state_tensors"]
@@ -39,17 +41,18 @@ def state_tensors(opt: DistributedOptimizer, model=None) -> dict:
     """key -> this rank's part: whole arrays for replicated tensors, TensorPieces of the
     optimizer state of this rank's shard."""
     _check(opt)
-    tensors = {f"param/{s.name}": opt.flat_params[s.offset:s.stop].reshape(s.shape)
-               for s in opt.layout}
+    params = host_array(opt.flat_params)      # a CUDA model's: a host copy
+    tensors = {f"param/{s.name}": params[s.offset:s.stop].reshape(s.shape) for s in opt.layout}
     if model is not None:
         frozen = {id(p) for p in opt.frozen}
         for name, p in model.named_parameters():
             if id(p) in frozen:
-                tensors[f"frozen/{name}"] = np.ascontiguousarray(to_numpy(p))
+                tensors[f"frozen/{name}"] = np.ascontiguousarray(to_numpy(p.cpu()))
         for name, b in model.named_buffers():
-            tensors[f"buffer/{name}"] = np.ascontiguousarray(to_numpy(b))
+            tensors[f"buffer/{name}"] = np.ascontiguousarray(to_numpy(b.cpu()))
     a, b = opt.shard
     for state, buf in opt.optimizer.state_buffers().items():
+        buf = host_array(buf)
         for index, start, stop in opt.layout.clip(a, b):
             seg = opt.layout.segments[index]
             tensors[f"optim/{state}/{seg.name}"] = TensorPiece(
@@ -96,15 +99,16 @@ def load_checkpoint(source, opt: DistributedOptimizer, *, model=None) -> int:
         except (ValueError, IncompatibleCheckpointError) as exc:
             error = exc
         opt.comm.raise_if_any(error)
+        xp = get_array_module(opt.flat_params)      # CuPy for a CUDA model
         for s in opt.layout:
-            opt.flat_params[s.offset:s.stop] = reader.read(f"param/{s.name}")
+            opt.flat_params[s.offset:s.stop] = xp.asarray(reader.read(f"param/{s.name}"))
         a, b = opt.shard
         sd = opt.optimizer.state_dict()
         for state, buf in sd["state"].items():
             for index, start, stop in opt.layout.clip(a, b):
                 seg = opt.layout.segments[index]
-                buf[start - a:stop - a] = reader.read(f"optim/{state}/{seg.name}",
-                                                      start - seg.offset, stop - start)
+                buf[start - a:stop - a] = get_array_module(buf).asarray(reader.read(
+                    f"optim/{state}/{seg.name}", start - seg.offset, stop - start))
         sd["step"] = int(reader.scalars["optim_step"])
         if "optim_extra" in reader.scalars:
             sd["extra"] = reader.scalars["optim_extra"]
@@ -116,10 +120,10 @@ def load_checkpoint(source, opt: DistributedOptimizer, *, model=None) -> int:
             frozen = {id(p) for p in opt.frozen}
             for name, p in model.named_parameters():
                 if id(p) in frozen and f"frozen/{name}" in reader:
-                    to_numpy(p)[...] = reader.read_full(f"frozen/{name}")
+                    p.data.copy_(torch.from_numpy(reader.read_full(f"frozen/{name}")))
             for name, t in model.named_buffers():
                 if f"buffer/{name}" in reader:
-                    to_numpy(t)[...] = reader.read_full(f"buffer/{name}")
+                    t.data.copy_(torch.from_numpy(reader.read_full(f"buffer/{name}")))
         return int(reader.step)
     finally:
         if isinstance(source, str):

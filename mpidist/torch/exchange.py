@@ -19,14 +19,15 @@ An exchange serves GradientBuckets and the optimizer's step:
                                          at launched(), so that it overlaps the update)
 Where the node's shared window is used (storage.shared), gradients are reduced where they
 lie, checked for Inf/NaN as they are summed; else through mpidist.collectives (or a
-compressor of mpidist.compress).
+compressor of mpidist.compress), which take CuPy arrays (a CUDA model's buffers) as they
+are, or staged through pinned host memory where MPI is not CUDA-aware.
 """
 from __future__ import annotations
 
 import torch
 
 from mpidist.collectives import allreduce_async
-from mpidist.torch.tensors import from_numpy
+from mpidist.torch.tensors import torch_stream
 
 __all__ = ["Allreduce"]
 
@@ -92,11 +93,12 @@ class Allreduce:
         if isinstance(optimizer, torch.optim.Optimizer):
             self.settle()                        # it may write into the gradients
             if scale != 1.0:
-                from_numpy(self.storage.grads).mul_(1.0 / scale)
+                self.storage.tgrads.mul_(1.0 / scale)
             optimizer.step()
             return {}
-        out = optimizer.step(self.storage.params, self.storage.grads, finite=True,
-                             loss_scale=scale)
+        with torch_stream(self.storage.device):  # CUDA: ordered before the next forward
+            out = optimizer.step(self.storage.params, self.storage.grads, finite=True,
+                                 loss_scale=scale)
         return {"lr": out.lr, "optim_step": out.step}
 
     def gather_params(self) -> None:

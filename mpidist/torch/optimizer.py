@@ -20,7 +20,6 @@ optimizer). The steps of step(): DistributedOptimizer.step.
 from __future__ import annotations
 
 import contextlib
-import numbers
 import time
 
 import torch
@@ -32,6 +31,7 @@ from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
 from mpidist.compress.hierarchical import NodeCompressedAllreduce, spans_nodes
 from mpidist.flat import Layout
+from mpidist.kernels.backend import to_numpy
 from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.optim import build_optimizer
 from mpidist.strategy.onebit import is_onebit
@@ -39,8 +39,9 @@ from mpidist.torch.buckets import GradientBuckets
 from mpidist.torch.bucketwise import BucketSteps, usable
 from mpidist.torch.exchange import Allreduce
 from mpidist.torch.onebit import Onebit
-from mpidist.torch.params import (bcast_tensor, broadcast_parameters, check_params,
-                                  check_same_params, named_parameters)
+from mpidist.torch.params import (bcast_tensor, broadcast_parameters, check_onebit,
+                                  check_params, check_same_params, check_settings,
+                                  named_parameters)
 from mpidist.torch.storage import FlatStorage
 from mpidist.torch.tensors import numpy_dtype
 from mpidist.torch.torchstate import (GroupSync, delegated, fused_defaults, fused_state_dict,
@@ -49,48 +50,6 @@ from mpidist.torch.zero import Zero, shard_of
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "named_parameters"]
-
-
-def _check_settings(optimizer, op, k, bucket_mb, zero, compression, options, hyper,
-                    groups) -> None:
-    """The local checks of the settings (TypeError/ValueError saying what to do)."""
-    if groups is not None and not isinstance(optimizer, str):
-        raise TypeError("param_groups go with an optimizer name; a torch optimizer brings "
-                        "its own groups (torch.optim.AdamW(groups, ...))")
-    if op not in ("avg", "sum"):
-        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
-    if not isinstance(bucket_mb, numbers.Real) or bucket_mb < 0:
-        raise ValueError(f"bucket_mb must be a number >= 0, got {bucket_mb!r}")
-    if zero == 3:
-        raise ValueError("ZeRO stage 3 (parameters sharded and gathered around each "
-                         "module's forward and backward) is not built for torch "
-                         "modules; use zero=2 (sharded optimizer state, reduce-"
-                         "scattered gradients)")
-    if zero not in (0, 1, 2):
-        raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
-    if zero and isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError("ZeRO shards an mpidist optimizer's state: pass an optimizer "
-                        "name (e.g. 'adamw') instead of a torch optimizer")
-    if zero and compression not in (None, "none"):
-        raise ValueError("compression with ZeRO is not supported here; use zero=0")
-    if options and compression in (None, "none"):
-        raise ValueError("compression_options need a compression name")
-    if hyper and not isinstance(optimizer, str):
-        raise TypeError(f"hyperparameters {sorted(hyper)} go with an optimizer name "
-                        f"(e.g. DistributedOptimizer(model, 'adamw', lr=1e-3))")
-
-
-def _check_onebit(opt, zero, compression) -> None:
-    if not is_onebit(opt):
-        return
-    if compression not in (None, "none"):
-        raise ValueError(f"optimizer {opt.name!r} compresses its momentum itself (its "
-                         f"compressor option); remove compression={compression!r}")
-    if zero == 2:
-        raise ValueError(f"optimizer {opt.name!r} runs data parallel (zero=0) or with ZeRO "
-                         f"stage 1 (zero=1) here; stage 2 is not built for it")
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
@@ -105,6 +64,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
     c = as_communicator(comm)
     if isinstance(optimizer, FlatOptimizer):
         sd = optimizer.state_dict()
+        sd["state"] = {k: to_numpy(b) for k, b in sd["state"].items()}   # CuPy: a host copy
         for _, b in sorted(sd["state"].items()):
             c.comm.Bcast(b, root=root_rank)
         sd["step"] = c.comm.bcast(sd["step"], root=root_rank)
@@ -159,8 +119,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             named = named_parameters(model)
             check_params(named, optimizer)
-            _check_settings(optimizer, op, backward_passes_per_step, bucket_mb, zero,
-                            compression, compression_options, hyper, param_groups)
+            check_settings(optimizer, op, backward_passes_per_step, bucket_mb, zero,
+                           compression, compression_options, hyper, param_groups,
+                           next(p for _, p in named if p.requires_grad).device)
         except (TypeError, ValueError) as exc:
             error = exc
         c.raise_if_any(error)
@@ -180,6 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # gradients in a node's shared window are reduced where they lie (no copy in)
         # where auto (the tuned table, or the rule) takes the window for a bucket
         window = compression in (None, "none") and algorithm == "auto" and \
+            self.params[0].device.type == "cpu" and \
             SharedBuffer.usable(c, dtype) and \
             select.choose(c, int(bucket_mb * (1 << 20)) or
                           self.layout.numel * dtype.itemsize) == "shm"
@@ -189,7 +151,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         error = None
         try:
             self.optimizer = self._build_optimizer(optimizer, hyper)
-            _check_onebit(self.optimizer, self.zero, compression)
+            check_onebit(self.optimizer, self.zero, compression, self.storage.device)
             self._init_torch(param_groups)
         except (TypeError, ValueError) as exc:
             error = exc
@@ -207,7 +169,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_step: dict = {}
         self._by_bucket = None
         if broadcast:
-            c.comm.Bcast(self.flat_params.view("u1"), root=0)
+            bcast_tensor(c, self.storage.tparams, 0)
             for t in self.frozen:
                 bcast_tensor(c, t.data, 0)
             if isinstance(model, torch.nn.Module):
@@ -218,12 +180,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def flat_params(self):
-        """The flat parameter buffer (NumPy; every trainable `param.data` is a view)."""
+        """The flat parameter buffer (NumPy, or CuPy for a CUDA model; every trainable
+        `param.data` is a view)."""
         return self.storage.params
 
     @property
     def flat_grads(self):
-        """The flat gradient buffer (NumPy; every `param.grad` is a view)."""
+        """The flat gradient buffer (NumPy or CuPy; every `param.grad` is a view)."""
         return self.storage.grads
 
     # ------------------------------------------------------------------ set-up
@@ -348,6 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _bucketwise(self):
         """step()'s update of one bucket as it comes back, or None (bucketwise.usable)."""
         if self.buckets.synced or not isinstance(self.exchange, Allreduce) or \
+                self.storage.device.type != "cpu" or \
                 self.exchange.in_window() or not usable(self.optimizer, self.buckets.buckets):
             return None
         if self._by_bucket is None:

@@ -1,16 +1,20 @@
 """The parameters a DistributedOptimizer trains: how a model names them, the checks on
-them (local, then the same on every rank), and broadcasts of tensors from one rank."""
+them and on the settings (local, then the same on every rank), and broadcasts of tensors
+from one rank."""
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 import torch
 
 from mpidist.comm import as_communicator
 from mpidist.errors import MismatchError
+from mpidist.strategy.onebit import is_onebit
 from mpidist.torch.tensors import to_numpy
 
-__all__ = ["PARAM_DTYPES", "named_parameters", "check_params", "check_same_params",
-           "bcast_tensor", "broadcast_parameters"]
+__all__ = ["PARAM_DTYPES", "named_parameters", "check_params", "check_settings",
+           "check_onebit", "check_same_params", "bcast_tensor", "broadcast_parameters"]
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -39,12 +43,67 @@ def _check_device(trainable) -> None:
         where = {d: next(n for n, p in trainable if str(p.device) == d) for d in devices}
         raise ValueError(f"the parameters live on several devices ({where}); a gradient "
                          f"bucket holds one device: move the model with model.to(device)")
-    if devices[0] != "cpu":
-        # CUDA parameters would need the flat buffers on the device and each bucket ordered
-        # after torch's current stream before MPI reads it; that path is not built here
-        raise ValueError(f"parameters on {devices[0]}: mpidist.torch.DistributedOptimizer "
-                         f"trains CPU tensors; run the model on the CPU, or train CUDA "
-                         f"models with torch DDP over init_process_group('mpidist')")
+    device = trainable[0][1].device
+    if device.type == "cuda":
+        from mpidist.kernels.backend import cupy_available   # CuPy sees torch's memory
+        if not cupy_available():
+            raise ValueError("a model on CUDA needs CuPy (the flat buffers, the fused "
+                             "update and MPI's view of them): pip install 'mpidist[gpu]'")
+        if trainable[0][1].dtype == torch.bfloat16:
+            raise TypeError("CuPy has no bfloat16: keep a CUDA model's parameters in "
+                            "float32 or float16 (torch.autocast computes in bfloat16)")
+    elif device.type != "cpu":
+        raise ValueError(f"parameters on {device}: mpidist.torch.DistributedOptimizer "
+                         f"trains CPU and CUDA tensors; move the model with "
+                         f"model.to('cpu') or model.to('cuda')")
+
+
+def check_settings(optimizer, op, k, bucket_mb, zero, compression, options, hyper,
+                   groups, device) -> None:
+    """The local checks of the settings (TypeError/ValueError saying what to do)."""
+    if groups is not None and not isinstance(optimizer, str):
+        raise TypeError("param_groups go with an optimizer name; a torch optimizer brings "
+                        "its own groups (torch.optim.AdamW(groups, ...))")
+    if op not in ("avg", "sum"):
+        raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
+    if not isinstance(bucket_mb, numbers.Real) or bucket_mb < 0:
+        raise ValueError(f"bucket_mb must be a number >= 0, got {bucket_mb!r}")
+    if zero == 3:
+        raise ValueError("ZeRO stage 3 (parameters sharded and gathered around each "
+                         "module's forward and backward) is not built for torch "
+                         "modules; use zero=2 (sharded optimizer state, reduce-"
+                         "scattered gradients)")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"zero must be 0, 1 or 2, got {zero!r}")
+    if zero and isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("ZeRO shards an mpidist optimizer's state: pass an optimizer "
+                        "name (e.g. 'adamw') instead of a torch optimizer")
+    if zero and compression not in (None, "none"):
+        raise ValueError("compression with ZeRO is not supported here; use zero=0")
+    if options and compression in (None, "none"):
+        raise ValueError("compression_options need a compression name")
+    if device.type == "cuda" and zero:
+        raise ValueError("ZeRO for a model on CUDA is not built here; use zero=0 (the "
+                         "flat buffers and the update on the device)")
+    if hyper and not isinstance(optimizer, str):
+        raise TypeError(f"hyperparameters {sorted(hyper)} go with an optimizer name "
+                        f"(e.g. DistributedOptimizer(model, 'adamw', lr=1e-3))")
+
+
+def check_onebit(opt, zero, compression, device) -> None:
+    if not is_onebit(opt):
+        return
+    if device.type == "cuda":
+        raise ValueError(f"optimizer {opt.name!r} trains CPU models here; on CUDA use "
+                         f"'adamw', 'sgd', 'lamb' or 'lars' (compression= compresses)")
+    if compression not in (None, "none"):
+        raise ValueError(f"optimizer {opt.name!r} compresses its momentum itself (its "
+                         f"compressor option); remove compression={compression!r}")
+    if zero == 2:
+        raise ValueError(f"optimizer {opt.name!r} runs data parallel (zero=0) or with ZeRO "
+                         f"stage 1 (zero=1) here; stage 2 is not built for it")
 
 
 def check_params(named, optimizer) -> None:

@@ -1,16 +1,22 @@
-"""torch tensors <-> NumPy arrays without copies, and the flat buffers that hold a module's
-parameters and gradients.
+"""torch tensors <-> NumPy and CuPy arrays without copies, and torch's CUDA stream as the
+one the CuPy side queues on.
 
 torch.from_numpy and Tensor.numpy share memory, but neither knows bfloat16: those go
 through 16-bit integer views of the same bytes (ml_dtypes.bfloat16 on the NumPy side).
+CUDA tensors are seen as CuPy arrays through DLPack; CuPy work queued inside
+`torch_stream(device)` runs on torch's current stream, so it is ordered after the work
+that made its input and before the work that reads its output, with no host wait.
 """
 from __future__ import annotations
+
+import contextlib
 
 import ml_dtypes
 import numpy as np
 import torch
 
-__all__ = ["numpy_dtype", "to_numpy", "from_numpy", "DTYPES"]
+__all__ = ["numpy_dtype", "to_numpy", "from_numpy", "DTYPES", "flat_buffer", "torch_stream",
+           "device_synchronize"]
 
 DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
           torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float64: np.dtype(np.float64)}
@@ -39,3 +45,44 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
     if a.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+def flat_buffer(n: int, dtype: np.dtype, device) -> tuple:
+    """(array, tensor): n zeros of dtype on device, as a NumPy (CPU) or CuPy (CUDA) array
+    and a torch tensor over the same memory. torch allocates CUDA memory (its caching
+    allocator, its streams); CuPy sees it through DLPack."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        a = np.zeros(n, dtype)
+        return a, from_numpy(a)
+    tdtype = next(t for t, d in DTYPES.items() if d == dtype)
+    t = torch.zeros(n, dtype=tdtype, device=device)
+    from mpidist.kernels.backend import cupy      # optional: only for CUDA models
+    return cupy().from_dlpack(t), t
+
+
+@contextlib.contextmanager
+def torch_stream(device):
+    """CuPy work queued inside runs on torch's current stream of device (CPU: nothing)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    from mpidist.kernels.backend import cupy      # optional: only for CUDA models
+    cp = cupy()
+    s = torch.cuda.current_stream(device)
+    external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy 14's protocol form
+    if external is not None and hasattr(s, "__cuda_stream__"):
+        stream = external(s)
+    else:
+        stream = cp.cuda.ExternalStream(s.cuda_stream, s.device_index)
+    with cp.cuda.Device(s.device_index), stream:
+        yield
+
+
+def device_synchronize(device) -> None:
+    """Wait for every stream of a CUDA device (torch's, CuPy's, the collectives' worker
+    threads'); nothing for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

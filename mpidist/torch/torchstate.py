@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 from mpidist.partition import counts_displs
+from mpidist.kernels.backend import to_numpy as host_array
 from mpidist.torch.tensors import to_numpy
 
 __all__ = ["delegated", "fused_defaults", "group_dicts", "GroupSync", "fused_state_dict",
@@ -105,6 +106,7 @@ class GroupSync:
 def _whole(buf, comm, shard, n) -> np.ndarray:
     """Collective when sharded: the state buffer over all n elements."""
     a, b = shard
+    buf = host_array(buf)                  # a CUDA model's state: a host copy
     if b - a == n:
         return np.array(buf, np.float32)
     out = np.empty(n, np.float32)
