@@ -32,6 +32,8 @@ def test_bench_torch_gpt_reports_every_variant(tmp_path):
     # the data-parallel variants (not plain torch, on one rank's batch) reached one model
     assert set(row["agree"]["variants"]) == {"ddp", "mpidist", "mpidist-fused", "zero2"}
     assert row["agree"]["max_rel_diff"] <= 1e-5, row["agree"]
+    assert list(row["agree"]["pair"]) == ["ddp", "mpidist"]
+    assert row["agree"]["own_kernel"]["max_rel_diff"] <= 1e-4, row["agree"]
     assert row["build_orders"] == ["forward", "reverse"]     # one job each, rounds pooled
     assert all(len(v) == 2 for v in row["raw"].values())
 
@@ -107,6 +109,12 @@ def test_a_bench_whose_variants_differ_fails():
     nan = {"ranks": 2, "agree": {"max_rel_diff": float("nan"), "pair": ("ddp", "mpidist"),
                                  "variants": ["ddp", "mpidist"]}}
     assert bench_torch.check([nan]) is not None              # NaN parameters never pass
+    # pairs with mpidist's own kernel: 1e-4 (its rounding may flip a ReLU), not looser
+    own = {"ranks": 8, "agree": {**same["agree"], "own_kernel": {
+        "max_rel_diff": 1.4e-5, "pair": ("ddp", "mpidist-fused")}}}
+    assert bench_torch.check([own]) is None
+    own["agree"]["own_kernel"]["max_rel_diff"] = 3e-4
+    assert "8 ranks: 3.0e-04 (ddp vs mpidist-fused)" in bench_torch.check([own])
     assert torch_backend.check([{"ranks": 2, "agree": 0.0}]) is None
     assert torch_backend.check([{"ranks": 2, "agree": 1e-3}]) is not None
 
