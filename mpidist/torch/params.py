@@ -10,6 +10,7 @@ import torch
 
 from mpidist.comm import as_communicator
 from mpidist.errors import MismatchError
+from mpidist.kernels.backend import cupy_available
 from mpidist.strategy.onebit import is_onebit
 from mpidist.torch.tensors import to_numpy
 
@@ -45,7 +46,6 @@ def _check_device(trainable) -> None:
                          f"bucket holds one device: move the model with model.to(device)")
     device = trainable[0][1].device
     if device.type == "cuda":
-        from mpidist.kernels.backend import cupy_available   # CuPy sees torch's memory
         if not cupy_available():
             raise ValueError("a model on CUDA needs CuPy (the flat buffers, the fused "
                              "update and MPI's view of them): pip install 'mpidist[gpu]'")

@@ -15,6 +15,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from mpidist.kernels.backend import cupy
+
 __all__ = ["numpy_dtype", "to_numpy", "from_numpy", "DTYPES", "flat_buffer", "torch_stream",
            "device_synchronize"]
 
@@ -57,7 +59,6 @@ def flat_buffer(n: int, dtype: np.dtype, device) -> tuple:
         return a, from_numpy(a)
     tdtype = next(t for t, d in DTYPES.items() if d == dtype)
     t = torch.zeros(n, dtype=tdtype, device=device)
-    from mpidist.kernels.backend import cupy      # optional: only for CUDA models
     return cupy().from_dlpack(t), t
 
 
@@ -68,7 +69,6 @@ def torch_stream(device):
     if device.type != "cuda":
         yield
         return
-    from mpidist.kernels.backend import cupy      # optional: only for CUDA models
     cp = cupy()
     s = torch.cuda.current_stream(device)
     external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy 14's protocol form
