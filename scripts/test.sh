@@ -33,9 +33,10 @@ status=0
 
 # a thread asleep (state D) where the kernel takes the address space's lock (mmap, munmap,
 # madvise) with no thread holding it: seen on Linux 6.18 when threads start or end beside the
-# rank's own memory calls. Not the suite's or MPI's deadlock, so the stage runs once more
-# (loudly); a stage that fails again, or fails otherwise, fails.
-KERNEL_WEDGE='^task .* state D wchan (vm_mmap_pgoff|__vm_munmap|madvise_do_behavior|do_madvise|__do_munmap)'
+# rank's own memory calls; or gdb held up reading that rank's memory map (the same lock:
+# tests/native_stacks.py's GDB_STUCK). Not the suite's or MPI's deadlock, so the stage runs
+# once more (loudly); a stage that fails again, or fails otherwise, fails.
+KERNEL_WEDGE='^task .* state D wchan (vm_mmap_pgoff|__vm_munmap|madvise_do_behavior|do_madvise|__do_munmap)|^gdb did not finish in [0-9]+ s: the rank.s memory map did not answer'
 
 attempt() {  # attempt LABEL LOGDIR NRANKS PYTEST-ARGS...: one run of a stage; returns its status
   local label=$1 logdir=$2 n=$3; shift 3
@@ -61,7 +62,7 @@ attempt() {  # attempt LABEL LOGDIR NRANKS PYTEST-ARGS...: one run of a stage; r
     # (after the kernel's view: the host's load, and threads blocked in the kernel)
     for f in "$logdir"/native-rank*.txt; do [ -s "$f" ] && { echo "--- $f"
         grep -E "^(loadavg|pressure/memory)" "$f"; grep -A6 -E "^task .* state D" "$f" | head -n 30
-        grep -E "^(rank|Thread)|ompi|opal|mca_|PMPI|pmix|H5|ptrace|did not run" "$f" | head -n 60; }; done
+        grep -E "^(rank|Thread)|ompi|opal|mca_|PMPI|pmix|H5|ptrace|did not (run|finish)" "$f" | head -n 60; }; done
   fi
   return $rc
 }

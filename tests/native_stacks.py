@@ -7,12 +7,18 @@ first, taken before gdb stops the rank: a thread blocked in a system call shows 
     python tests/native_stacks.py PID STACKS_FILE OUT_FILE
 
 Exits when the rank does. Where gdb cannot attach (ptrace forbidden), OUT_FILE says why.
-A later capture (the rank held up again) goes beside it, in OUT_FILE's name with .1, .2.
+The kernel's view is written before gdb runs: gdb reads the rank's memory map, which waits
+for the address space's lock, so a rank whose lock is stuck holds gdb (unkillable) and its
+report never comes; OUT_FILE then ends with GDB_STUCK. A later capture (the rank held up
+again) goes beside it, in OUT_FILE's name with .1, .2.
 """
 import os
 import subprocess
 import sys
 import time
+
+GDB_LIMIT = 120
+GDB_STUCK = f"gdb did not finish in {GDB_LIMIT} s: the rank's memory map did not answer"
 
 
 def _alive(pid: int) -> bool:
@@ -70,19 +76,33 @@ def main(pid: int, stacks: str, out: str) -> None:
         if "most recent call first" not in text or text == seen:
             continue
         seen = text
-        kernel = _kernel_view(pid)
-        try:
-            run = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex",
-                                  "thread apply all bt"], capture_output=True, text=True,
-                                 timeout=120)
-            report = run.stdout + run.stderr
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            report = f"gdb did not run: {exc}\n"
         # the first capture in OUT_FILE, later ones beside it (rankN.1.txt, ...)
         path = out if not taken else out[:-len(".txt")] + f".{taken}.txt"
         taken += 1
         with open(path, "w") as f:
-            f.write(text.splitlines()[0] + "\n" + kernel + report)
+            f.write(text.splitlines()[0] + "\n" + _kernel_view(pid))
+        report = _gdb(pid)
+        with open(path, "a") as f:
+            f.write(report)
+
+
+def _gdb(pid: int) -> str:
+    """gdb's backtraces of every thread of pid, or why there are none."""
+    try:
+        gdb = subprocess.Popen(["gdb", "-p", str(pid), "-batch", "-nx", "-ex",
+                                "thread apply all bt"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    except OSError as exc:
+        return f"gdb did not run: {exc}\n"
+    try:
+        return gdb.communicate(timeout=GDB_LIMIT)[0]
+    except subprocess.TimeoutExpired:
+        gdb.kill()                      # a gdb asleep in the kernel dies only when it wakes
+        try:
+            part = gdb.communicate(timeout=5)[0]
+        except subprocess.TimeoutExpired:
+            part = ""
+        return part + GDB_STUCK + "\n"
 
 
 if __name__ == "__main__":

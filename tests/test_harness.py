@@ -1,9 +1,11 @@
 """The harness itself: deadlocks fail within the timeout; one rank's failure fails all."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -226,3 +228,28 @@ def test_without_ssh_open_mpi_launches_locally(tmp_path, monkeypatch):
     proc = launcher.run(2, [sys.executable, "-c", "print('up')"], timeout=60, env=base,
                         capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.count("up") == 2, proc.stderr
+
+
+def test_a_gdb_held_up_by_the_rank_leaves_the_kernel_view_and_says_so(tmp_path, monkeypatch):
+    # a gdb that never answers stands in for one asleep on a rank's stuck memory map
+    (tmp_path / "gdb").write_text("#!/bin/sh\nexec sleep 30\n")
+    (tmp_path / "gdb").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    sys.path.insert(0, HERE)
+    try:
+        import native_stacks
+    finally:
+        sys.path.remove(HERE)
+    monkeypatch.setattr(native_stacks, "GDB_LIMIT", 1)
+    stacks, out = tmp_path / "stacks.txt", tmp_path / "native.txt"
+    stacks.write_text("rank 0 of 1: held\nThread 0x1 (most recent call first):\n")
+    sleeper = subprocess.Popen(["sleep", "4"])
+    threading.Thread(target=sleeper.wait, daemon=True).start()   # reaped: not alive after
+    native_stacks.main(sleeper.pid, str(stacks), str(out))    # returns once the rank ends
+    text = out.read_text()
+    assert text.startswith("rank 0 of 1: held\n") and f"\ntask {sleeper.pid} " in text
+    # the stuck gdb is named, and scripts/test.sh takes it for a wedged address space
+    assert text.rstrip("\n").splitlines()[-1] == native_stacks.GDB_STUCK
+    script = open(os.path.join(HERE, "..", "scripts", "test.sh")).read()
+    pattern = script.split("KERNEL_WEDGE='", 1)[1].split("'", 1)[0]
+    assert re.search(pattern, text, re.M), (pattern, text)
