@@ -189,6 +189,8 @@ class GradientBuckets:
         self._launch()
 
     def _launch(self) -> None:
+        if len(self._handles) == len(self.buckets) or self._pending[len(self._handles)]:
+            return                          # the next bucket is not final yet (most hooks)
         t0 = time.perf_counter()
         with torch_stream(self.device):
             while len(self._handles) < len(self.buckets) and \
