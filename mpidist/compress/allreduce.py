@@ -256,7 +256,7 @@ class CompressedAllreduce:
             return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
                                              RawCodec))
 
-        return c.reduce(x, layout, allreduce_sum)
+        return c.reduce(x, layout, allreduce_sum, ranks=self.comm.size)
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:

@@ -8,8 +8,9 @@ goes dense. Across ranks, with a shared Q:
   Step II:  P^ = orthonormal basis of P (reduced QR)
   Step III: Q_i = M_i^T P^;       Q = sum_i Q_i        (allreduce)
   result:   sum_i M_i ~ P^ Q^T,   next step's Q <- Q
-Rank i's own compression is C_i(M_i) = P^ Q_i^T (so sum_i C_i = P^ Q^T), and its residual
-M_i - P^ Q_i^T = (I - P^ P^^T) M_i: the part outside the shared subspace, sent later.
+Rank i's own compression is C_i(M_i) = P^ Q_i^T (so sum_i C_i = P^ Q^T): what compress()
+alone keeps. In the allreduce each rank keeps M_i - P^ Q^T / ranks, its share of what the sum
+dropped (the authors' code does the same): summed over ranks, exactly what was not sent.
 Matrix products are BLAS (NumPy / CuPy matmul): a hand-written kernel would be slower.
 """
 from __future__ import annotations
@@ -21,7 +22,9 @@ import numpy as np
 from mpidist.compress.base import Compressor
 from mpidist.kernels.backend import get_array_module, to_numpy
 
-__all__ = ["PowerSGD", "Plan"]
+__all__ = ["PowerSGD", "Plan", "orthonormalize"]
+
+_PIECE = 1 << 16      # elements per pass of the residual update
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,36 @@ def make_plan(shapes, rank: int) -> Plan:
             dense.append((offset, size))
     dense_total = sum(s for _, s in dense)
     return Plan(n, tuple(matrices), tuple(dense), p + dense_total, q)
+
+
+def orthonormalize(p, plan: Plan, r: int, xp) -> None:
+    """Each matrix's block of P (rows x r) replaced by an orthonormal basis of its columns.
+
+    On the CPU by CholeskyQR2, the blocks of equal shape batched: twice P <- P L^-T with
+    L L^T = P^T P (the r x r Gram matrix in float64), which is orthonormal to float32's
+    precision for condition numbers far beyond what a power step leaves, at a fraction of
+    LAPACK's Householder QR for tall thin blocks; blocks whose Gram matrix is singular (a
+    zero gradient) fall back to that QR. On the GPU, CuPy's QR block by block."""
+    if xp is not np:
+        for _, rows, _, po, _ in plan.matrices:
+            block = p[po:po + rows * r].reshape(rows, r)
+            block[...] = xp.linalg.qr(block)[0]
+        return
+    by_rows: dict = {}
+    for _, rows, _, po, _ in plan.matrices:
+        by_rows.setdefault(rows, []).append(po)
+    for rows, starts in by_rows.items():
+        blocks = np.stack([p[po:po + rows * r].reshape(rows, r) for po in starts])
+        try:
+            basis = blocks
+            for _ in range(2):
+                wide = basis.astype(np.float64)
+                inv = np.linalg.inv(np.linalg.cholesky(np.swapaxes(wide, 1, 2) @ wide))
+                basis = basis @ np.swapaxes(inv, 1, 2).astype(np.float32)
+        except np.linalg.LinAlgError:
+            basis = np.linalg.qr(blocks)[0]
+        for po, block in zip(starts, basis):
+            p[po:po + rows * r] = block.ravel()
 
 
 class PowerSGD(Compressor):
@@ -117,9 +150,7 @@ class PowerSGD(Compressor):
         if allreduce_sum is not None:
             p = allreduce_sum(p)
         # Step II: orthonormal P^ per matrix
-        for off, rows, cols, po, qo in plan.matrices:
-            block = p[po:po + rows * r].reshape(rows, r)
-            block[...] = xp.linalg.qr(block)[0]
+        orthonormalize(p, plan, r, xp)
         # Step III: Q_i = M_i^T P^, summed over ranks
         qi = xp.empty(plan.q_size, dtype=np.float32)
         for off, rows, cols, po, qo in plan.matrices:
@@ -168,12 +199,28 @@ class PowerSGD(Compressor):
             d += size
         return out
 
-    def reduce(self, x, layout, allreduce_sum):
-        """Sum over ranks of C_i(x_i) = P^ Q^T (plus the dense segments summed)."""
-        x = self.with_residual(x, layout)
-        local, summed, ctx = self._power(x, layout, allreduce_sum)
-        self._end(x, local, ctx)
-        return self.decompress(summed, ctx)
+    def reduce(self, x, layout, allreduce_sum, ranks: int = 1):
+        """Sum over `ranks` ranks of C_i(x_i) = P^ Q^T (plus the dense segments summed).
+
+        With error feedback x + e is formed in the residual's own buffer, and each rank
+        then keeps x + e less its share of the sum (sum / ranks), as the authors' code and
+        torch's hook do. Every product above depends on the inputs only through their sum
+        over ranks, and the residuals' sum is the same as with each rank's own C_i, so
+        the results are too; no rank needs its own decompression (a full-size product)."""
+        x = self._check(x, layout)
+        if self.error_feedback:
+            work = self.residual = self._state_like(self.residual, x)
+            work += x
+        else:
+            work = x
+        _, summed, ctx = self._power(work, layout, allreduce_sum)
+        out = self.decompress(summed, ctx)
+        if self.error_feedback:
+            share = 1.0 / ranks
+            for lo in range(0, out.shape[0], _PIECE):   # the temporaries stay in cache
+                work[lo:lo + _PIECE] -= out[lo:lo + _PIECE] * share
+        self.step += 1
+        return out
 
     def _extra_state(self) -> dict:
         return {"q": None if self.q is None else to_numpy(self.q).copy()}

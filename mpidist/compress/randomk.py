@@ -47,8 +47,9 @@ class RandomK(Sparsifier):
     def sent_indices(self, payload, ctx):
         return ctx["idx"]
 
-    def reduce(self, x, layout, allreduce_sum):
-        """Sum over ranks of C_i(x_i): compress locally, sum the values, scatter once."""
+    def reduce(self, x, layout, allreduce_sum, ranks: int = 1):
+        """Sum over ranks of C_i(x_i): compress locally, sum the values, scatter once
+        (each rank's residual is what it dropped itself, whatever the number of ranks)."""
         x = self.with_residual(x, layout)
         payload, ctx = self.encode(x, layout)
         self._end(x, payload, ctx)

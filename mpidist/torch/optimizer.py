@@ -90,7 +90,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     op: "avg" (the mean of the ranks' gradients, each rank's loss a mean over its own
       batch, as DDP and Horovod) or "sum": what `.grad` holds after synchronize().
     algorithm: the mpidist.collectives allreduce algorithm ("auto", "ring", "tree", ...).
-    bucket_mb: gradient bucket size in MiB (0: one bucket after backward).
+    bucket_mb: gradient bucket size in MiB (0: one bucket after backward; compressed
+      gradients always go as one).
     backward_passes_per_step: backward passes summed into each step (accumulation).
     compression: None or a compressor name of mpidist.compress, with compression_options
       (the compressor's; "warmup_steps": N sends the first N steps uncompressed, as
@@ -161,9 +162,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.storage.release()          # every rank is here: free the windows together
             raise
         self.exchange = self._build_exchange(compression, compression_options)
-        # op="avg": each gradient scaled by 1/size as it becomes final, so the sum is the mean
+        # op="avg": each gradient scaled by 1/size as it becomes final, so the sum is the mean.
+        # A compressor reduces in the calling thread (its collectives do not overlap), so
+        # buckets would only add round trips: compressed gradients go as one after backward
+        compressed = compression not in (None, "none") and not self.zero
         self.buckets = GradientBuckets(self.params, self.layout, self.storage, self.exchange, c,
-                                       bucket_mb=bucket_mb,
+                                       bucket_mb=0 if compressed else bucket_mb,
                                        passes_per_step=self.backward_passes_per_step,
                                        scale=1.0 / c.size if op == "avg" else 1.0)
         self.last_step: dict = {}

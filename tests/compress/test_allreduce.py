@@ -56,8 +56,8 @@ class PowerSGDReference:
             qs = [m.T @ p_hat for m in ms]
             self.q[j] = sum(qs)
             out[off:off + rows * cols] = (p_hat @ self.q[j].T).ravel() / self.p
-            for e, m, q in zip(self.err, ms, qs):
-                e[off:off + rows * cols] = (m - p_hat @ q.T).ravel()
+            for e, m in zip(self.err, ms):       # each rank keeps its share of the loss
+                e[off:off + rows * cols] = (m - p_hat @ self.q[j].T / self.p).ravel()
         return out
 
 

@@ -260,3 +260,23 @@ def test_wrong_input_rejected():
         c.compress(np.zeros((4, 4), np.float32))
     with pytest.raises(ValueError, match="layout"):
         c.compress(np.zeros(16, np.float32), LAYOUT)
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e3, 1e5, "singular"])
+def test_powersgd_orthonormal_basis_of_any_block(cond):
+    """Step II's basis (CholeskyQR2 on the CPU) spans P's columns and is orthonormal, for
+    ill-conditioned and rank-deficient blocks (a zero gradient) alike."""
+    from mpidist.compress.powersgd import make_plan, orthonormalize
+    r, rng = 4, np.random.default_rng(0)
+    plan = make_plan([(0, (300, 40)), (12000, (300, 40)), (24000, (50, 60))], r)
+    p = np.zeros(plan.p_size, np.float32)
+    for _, rows, _, po, _ in plan.matrices:
+        u = np.linalg.qr(rng.standard_normal((rows, r)))[0]
+        s = np.array([1.0, 0.0, 0.0, 0.0]) if cond == "singular" else np.geomspace(1.0, 1.0 / cond, r)
+        p[po:po + rows * r] = (u * s @ np.linalg.qr(rng.standard_normal((r, r)))[0]).ravel()
+    before = p.copy()
+    orthonormalize(p, plan, r, np)
+    for _, rows, _, po, _ in plan.matrices:
+        q, m = p[po:po + rows * r].reshape(rows, r), before[po:po + rows * r].reshape(rows, r)
+        assert np.abs(q.T @ q - np.eye(r)).max() < 1e-5
+        assert np.abs(m - q @ (q.T @ m)).max() < 1e-5 * np.abs(m).max()   # spans P
