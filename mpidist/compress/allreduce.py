@@ -138,21 +138,24 @@ class CompressedAllreduce:
         return self._reduce(grad, layout, "avg")
 
     @accept_arrays("buf", out=None)
-    def allreduce_async(self, buf, *, op: str = "sum", layout=None) -> Handle:
+    def allreduce_async(self, buf, *, op: str = "sum", layout=None,
+                        inplace: bool = False) -> Handle:
         """The engine's bucket interface: the sum (op="sum") or average ("avg") of one
         bucket. It runs now (compression does not overlap); wait() returns the result.
 
         layout: the layout of the bucket, or of the whole flat buffer the bucket views
         (then the bucket's own segments are taken: PowerSGD needs them to see matrices).
+        inplace: the result is written into buf (a writable NumPy or CuPy array), which
+        wait() returns; PowerSGD then decompresses straight into it.
         """
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed allreduce supports op 'sum' or 'avg', got {op!r}")
         err = None
         if layout is not None and getattr(buf, "ndim", 0) == 1 and layout.numel != buf.shape[0]:
             layout, err = bucket_layout(layout, buf)
-        return Handle(self._reduce(buf, layout, op, err))
+        return Handle(self._reduce(buf, layout, op, err, inplace))
 
-    def _reduce(self, grad, layout, op, err=None):
+    def _reduce(self, grad, layout, op, err=None, inplace=False):
         skip = self._agree(grad, layout, err)
         xp = get_array_module(grad)
         ring = Ring(self.comm)
@@ -171,13 +174,18 @@ class CompressedAllreduce:
             elif self.algorithm == "ring":
                 out = self._ring(ring, state[0], work)
             else:
-                out = self._linear(ring, state[0], work, layout)
+                into = grad if inplace and work is grad else None
+                out = self._linear(ring, state[0], work, layout, into)
             state[1] += 1
             if op == "avg":
                 out /= self.comm.size
         self.step += 1
         self.bytes_sent = ring.sent
         self.total_bytes_sent += ring.sent
+        if inplace:
+            if out is not grad:
+                grad[...] = out
+            return grad
         return out.astype(grad.dtype, copy=False)
 
     @accept_arrays("buf", out=None)
@@ -248,15 +256,16 @@ class CompressedAllreduce:
         c.step += 1
         return xp.asarray(host)
 
-    def _linear(self, ring: Ring, c: Compressor, x, layout):
-        """The compressor's own reduce, its sums done by the float32 ring."""
+    def _linear(self, ring: Ring, c: Compressor, x, layout, into=None):
+        """The compressor's own reduce, its sums done by the float32 ring (the result
+        written into `into` where given)."""
         xp = get_array_module(x)
 
         def allreduce_sum(a):
             return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
                                              RawCodec))
 
-        return c.reduce(x, layout, allreduce_sum, ranks=self.comm.size)
+        return c.reduce(x, layout, allreduce_sum, ranks=self.comm.size, into=into)
 
     # ---------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:

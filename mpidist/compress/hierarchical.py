@@ -46,16 +46,18 @@ class NodeCompressedAllreduce:
         """Bytes this rank sent across nodes (0 on a node's other ranks)."""
         return self.between.total_bytes_sent if self.leader else 0
 
-    def allreduce_async(self, buf, *, op: str = "sum", layout=None) -> Handle:
+    def allreduce_async(self, buf, *, op: str = "sum", layout=None,
+                        inplace: bool = False) -> Handle:
         """The sum (or average) of buf over every rank, compressed between nodes; runs now,
-        wait() returns the result (a new array on the leaders, buf itself elsewhere)."""
+        wait() returns the result (buf itself with inplace or on a node's other ranks, else
+        a new array on the leaders)."""
         if op not in ("sum", "avg"):
             raise ValueError(f"compressed allreduce supports op 'sum' or 'avg', got {op!r}")
         # 1. the exact sum within the node
         allreduce(buf, op="sum", comm=self.node)
         # 2. the leaders' compressed allreduce across nodes
-        out = self.between.allreduce_async(buf, op="sum", layout=layout).wait() \
-            if self.leader else buf
+        out = self.between.allreduce_async(buf, op="sum", layout=layout,
+                                           inplace=inplace).wait() if self.leader else buf
         # 3. the leader's result to the node's ranks
         self.node.comm.Bcast(out, root=0)
         if op == "avg":

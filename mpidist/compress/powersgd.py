@@ -181,15 +181,16 @@ class PowerSGD(Compressor):
             out[off:off + size] += p[d:d + size]
             d += size
 
-    def decompress(self, payload, ctx, out=None):
-        """P^ Q^T per matrix and the dense segments, written straight into a new vector
-        (the segments tile it: no zeroing, no temporary per matrix); added into out if given."""
+    def decompress(self, payload, ctx, out=None, *, into=None):
+        """P^ Q^T per matrix and the dense segments, written straight into a new vector or
+        `into` (the segments tile it: no zeroing, no temporary per matrix); added into
+        out if given."""
         if out is not None:
             return super().decompress(payload, ctx, out)
         p, q = payload
         plan, r = ctx["plan"], self.rank
         xp = get_array_module(p)
-        out = xp.empty(ctx["n"], dtype=np.float32)
+        out = xp.empty(ctx["n"], dtype=np.float32) if into is None else into
         for off, rows, cols, po, qo in plan.matrices:
             xp.matmul(p[po:po + rows * r].reshape(rows, r), q[qo:qo + cols * r].reshape(cols, r).T,
                       out=out[off:off + rows * cols].reshape(rows, cols))
@@ -199,22 +200,23 @@ class PowerSGD(Compressor):
             d += size
         return out
 
-    def reduce(self, x, layout, allreduce_sum, ranks: int = 1):
-        """Sum over `ranks` ranks of C_i(x_i) = P^ Q^T (plus the dense segments summed).
+    def reduce(self, x, layout, allreduce_sum, ranks: int = 1, into=None):
+        """Sum over `ranks` ranks of C_i(x_i) = P^ Q^T (plus the dense segments summed),
+        written into `into` where given (it may be x: x is read only before that).
+        x: a flat float32 finite gradient (the compressed allreduce checked it on every rank).
 
         With error feedback x + e is formed in the residual's own buffer, and each rank
         then keeps x + e less its share of the sum (sum / ranks), as the authors' code and
         torch's hook do. Every product above depends on the inputs only through their sum
         over ranks, and the residuals' sum is the same as with each rank's own C_i, so
         the results are too; no rank needs its own decompression (a full-size product)."""
-        x = self._check(x, layout)
         if self.error_feedback:
             work = self.residual = self._state_like(self.residual, x)
             work += x
         else:
             work = x
         _, summed, ctx = self._power(work, layout, allreduce_sum)
-        out = self.decompress(summed, ctx)
+        out = self.decompress(summed, ctx, into=into)
         if self.error_feedback:
             share = 1.0 / ranks
             for lo in range(0, out.shape[0], _PIECE):   # the temporaries stay in cache

@@ -47,10 +47,16 @@ class RandomK(Sparsifier):
     def sent_indices(self, payload, ctx):
         return ctx["idx"]
 
-    def reduce(self, x, layout, allreduce_sum, ranks: int = 1):
+    def reduce(self, x, layout, allreduce_sum, ranks: int = 1, into=None):
         """Sum over ranks of C_i(x_i): compress locally, sum the values, scatter once
-        (each rank's residual is what it dropped itself, whatever the number of ranks)."""
+        (into `into` where given). Each rank's residual is what it dropped itself,
+        whatever the number of ranks."""
         x = self.with_residual(x, layout)
         payload, ctx = self.encode(x, layout)
         self._end(x, payload, ctx)
-        return self.decompress((allreduce_sum(payload[0]),), ctx)
+        summed = (allreduce_sum(payload[0]),)
+        if into is None:
+            return self.decompress(summed, ctx)
+        into[...] = 0
+        self.decode_add(summed, ctx, into)
+        return into

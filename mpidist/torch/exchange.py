@@ -63,7 +63,7 @@ class Allreduce:
             return self.storage.shared.allreduce_async(lo, hi, own)
         if self.compressed is not None:      # in the hook: on the bucket worker beside
             # backward it measured slower (its NumPy work competes with backward's cores)
-            return self.compressed.allreduce_async(buf, op="sum",
+            return self.compressed.allreduce_async(buf, op="sum", inplace=True,
                                                    layout=self.storage.layout)
         return allreduce_async(buf, op="sum", algorithm=self.algorithm, comm=self.comm)
 
@@ -77,10 +77,7 @@ class Allreduce:
             self._fence = None
 
     def wait(self, bounds, handle) -> None:
-        out = handle.wait()
-        if self.compressed is not None:          # a new array: the compressed sum
-            lo, hi = bounds
-            self.storage.grads[lo:hi] = out
+        handle.wait()                            # every path sums in place
 
     def complete(self) -> bool | None:
         shared = self.storage.shared

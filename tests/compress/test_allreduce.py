@@ -272,3 +272,19 @@ def test_pack_unpack_round_trip():
     assert buf.nbytes == 8 * 4 + 24 + 8 + 8 + 32
     back = unpack(buf, [a.dtype for a in arrays])
     assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(arrays, back))
+
+
+@pytest.mark.parametrize("name,opts", CONFIGS)
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_inplace_writes_the_same_sum_into_the_buffer(comm, name, opts, warmup):
+    """inplace=True: wait() returns the caller's buffer holding what the out-of-place call
+    returns (PowerSGD decompresses straight into it); the input is read before it is
+    written, through warm-up and compressed steps and the residuals alike."""
+    ours = CompressedAllreduce(make_compressor(name, **opts), comm, warmup_steps=warmup)
+    ref = CompressedAllreduce(make_compressor(name, **opts), comm, warmup_steps=warmup)
+    for step in range(3):
+        buf = rank_grad(comm.rank, step)
+        expected = ref.allreduce_async(buf.copy(), op="sum", layout=LAYOUT).wait()
+        out = ours.allreduce_async(buf, op="sum", layout=LAYOUT, inplace=True).wait()
+        assert out is buf
+        assert np.allclose(buf, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
