@@ -70,6 +70,8 @@ def _worker(args) -> dict:
     numba.set_num_threads(1)                    # sets mpidist's default (mpidist.threads)
     # subnormal floats appear as this GPT trains and slow x86 arithmetic: without flushing
     # them, plain torch's step grows about 1.6x over 300 steps (every variant alike)
+    for kind in (np.float16, np.float32, np.float64):
+        np.finfo(kind)                          # cached before flushing: NumPy warns after
     torch.set_flush_denormal(args.flush_denormal)
     comm = Communicator()
     with open(args.data, "rb") as fh:
