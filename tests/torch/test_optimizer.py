@@ -342,6 +342,23 @@ def test_compression_keeps_ranks_identical(comm):
     opt.close()
 
 
+def test_compressed_gradients_go_as_one_bucket(comm):
+    """A compressor reduces in the calling thread, so the whole buffer is one bucket
+    whatever bucket_mb says; PowerSGD (its sum in place) keeps the ranks identical."""
+    model = make_model()
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, bucket_mb=1e-4,
+                                  compression="powersgd", compression_options={"rank": 2})
+    plain = mt.DistributedOptimizer(make_model(), "sgd", lr=0.1, comm=comm, bucket_mb=1e-4)
+    assert len(opt.buckets.buckets) == 1 < len(plain.buckets.buckets)
+    before = opt.flat_params.copy()
+    train(opt, model, batches(3, comm.size), comm.rank)
+    every = comm.comm.allgather(opt.flat_params.tobytes())
+    assert all(b == every[0] for b in every)
+    assert not np.array_equal(opt.flat_params, before)
+    opt.close()
+    plain.close()
+
+
 def test_compression_warmup_steps_run_uncompressed(comm):
     """compression_options={"warmup_steps": N}: the first N steps are the exact sum."""
     data = batches(3, comm.size)
