@@ -129,8 +129,8 @@ class PowerSGD(Compressor):
         return self.q
 
     def _power(self, x, layout, allreduce_sum):
-        """(local payload, summed payload, ctx): Steps I-III on x (a plain sum when
-        allreduce_sum is None, i.e. on one rank)."""
+        """(payload, ctx): Steps I-III on x, the factors summed by allreduce_sum; None: this
+        rank's own payload (P^ and Q_i, the dense segments as they are)."""
         xp = get_array_module(x)
         plan = self.plan_for(layout, x.shape[0])
         r = self.rank
@@ -146,7 +146,6 @@ class PowerSGD(Compressor):
         for off, size in plan.dense:
             p[d:d + size] = x[off:off + size]
             d += size
-        dense_local = p[plan.p_size - ndense:].copy()
         if allreduce_sum is not None:
             p = allreduce_sum(p)
         # Step II: orthonormal P^ per matrix
@@ -159,13 +158,10 @@ class PowerSGD(Compressor):
                       out=qi[qo:qo + cols * r].reshape(cols, r))
         qsum = qi if allreduce_sum is None else allreduce_sum(qi)
         self.q = qsum.copy()
-        local = (xp.concatenate([p[:plan.p_size - ndense], dense_local]), qi)
-        ctx = {"n": x.shape[0], "plan": plan}
-        return local, (p, qsum), ctx
+        return (p, qsum), {"n": x.shape[0], "plan": plan}
 
     def encode(self, x, layout):
-        local, _, ctx = self._power(x, layout, None)
-        return local, ctx
+        return self._power(x, layout, None)
 
     def decode_add(self, payload, ctx, out) -> None:
         p, q = payload
@@ -215,7 +211,7 @@ class PowerSGD(Compressor):
             work += x
         else:
             work = x
-        _, summed, ctx = self._power(work, layout, allreduce_sum)
+        summed, ctx = self._power(work, layout, allreduce_sum)
         out = self.decompress(summed, ctx, into=into)
         if self.error_feedback:
             share = 1.0 / ranks

@@ -165,7 +165,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # op="avg": each gradient scaled by 1/size as it becomes final, so the sum is the mean.
         # A compressor reduces in the calling thread (its collectives do not overlap), so
         # buckets would only add round trips: compressed gradients go as one after backward
-        compressed = compression not in (None, "none") and not self.zero
+        compressed = compression not in (None, "none")
         self.buckets = GradientBuckets(self.params, self.layout, self.storage, self.exchange, c,
                                        bucket_mb=0 if compressed else bucket_mb,
                                        passes_per_step=self.backward_passes_per_step,
