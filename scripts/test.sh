@@ -68,12 +68,17 @@ attempt() {  # attempt LABEL LOGDIR NRANKS PYTEST-ARGS...: one run of a stage; r
   return $rc
 }
 
+wedged() {  # wedged LOGDIR: a rank's capture there shows the kernel wedge
+  # grep reads the files itself: `cat | grep -q` fails under pipefail on a capture larger
+  # than the pipe's buffer (grep stops at the first match, cat dies of SIGPIPE)
+  grep -qE "$KERNEL_WEDGE" "$1"/native-rank*.txt 2>/dev/null
+}
+
 run() {  # run LABEL NRANKS PYTEST-ARGS...
   local label=$1 n=$2; shift 2
   local this=$label tries=0
   until attempt "$this" "$out/$this" "$n" "$@"; do
-    if [ $tries -ge $WEDGE_RERUNS ] || \
-        ! cat "$out/$this"/native-rank*.txt 2>/dev/null | grep -qE "$KERNEL_WEDGE"; then
+    if [ $tries -ge $WEDGE_RERUNS ] || ! wedged "$out/$this"; then
       status=1
       return
     fi

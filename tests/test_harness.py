@@ -253,3 +253,24 @@ def test_a_gdb_held_up_by_the_rank_leaves_the_kernel_view_and_says_so(tmp_path, 
     script = open(os.path.join(HERE, "..", "scripts", "test.sh")).read()
     pattern = script.split("KERNEL_WEDGE='", 1)[1].split("'", 1)[0]
     assert re.search(pattern, text, re.M), (pattern, text)
+
+
+def test_test_sh_finds_the_wedge_in_a_capture_larger_than_a_pipe(tmp_path):
+    """scripts/test.sh's wedged(), run as the script runs it (pipefail), on captures as
+    large as gdb's of a rank with many threads: it must see the wedge (a `cat | grep -q`
+    did not: grep stopped at the match and cat died of SIGPIPE)."""
+    script = open(os.path.join(HERE, "..", "scripts", "test.sh")).read()
+    pattern = script.split("KERNEL_WEDGE='", 1)[1].split("'", 1)[0]
+    func = script[script.index("wedged() {"):]
+    func = func[:func.index("\n}\n") + 3]
+    filler = "#1  0x00007f2451b925dd in ompi_sync_wait_mt () from libopen-pal.so.40\n" * 4000
+    (tmp_path / "native-rank0.txt").write_text("loadavg: 1 1 1\n" + filler)
+    (tmp_path / "native-rank1.txt").write_text(
+        "task 1631 python state D wchan madvise_do_behavior\n" + filler)
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "native-rank0.txt").write_text("task 9 python state S wchan futex_do_wait\n" + filler)
+    check = f"set -uo pipefail\nKERNEL_WEDGE='{pattern}'\n{func}\nwedged \"$1\"\n"
+    assert subprocess.run(["bash", "-c", check, "-", str(tmp_path)]).returncode == 0
+    assert subprocess.run(["bash", "-c", check, "-", str(clean)]).returncode == 1
+    assert subprocess.run(["bash", "-c", check, "-", str(tmp_path / "none")]).returncode != 0
