@@ -37,6 +37,8 @@ def _parse(argv):
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--powersgd-warmup", type=int, default=0,
                    help="PowerSGD's uncompressed first steps")
+    p.add_argument("--powersgd-factors", default="float32", choices=("float32", "float16"),
+                   help="the dtype PowerSGD's factors cross the network in")
     p.add_argument("--freeze-step", type=int, default=100,
                    help="1-bit Adam's uncompressed warm-up steps")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, both sides")
@@ -96,7 +98,8 @@ def _worker(args) -> dict:
         if name in args.variants:
             net = nets[name] = model()
             extra = dict(compression="powersgd", compression_options={
-                "rank": args.rank, "warmup_steps": args.powersgd_warmup}) if name == "powersgd" else {}
+                "rank": args.rank, "factors": args.powersgd_factors,
+                "warmup_steps": args.powersgd_warmup}) if name == "powersgd" else {}
             opts[name] = mt.DistributedOptimizer(net, adamw(net.parameters()), comm=comm,
                                                  bucket_mb=args.bucket_mb, **extra)
     if "onebit" in args.variants:               # 1-bit Adam: its momentum compressed
@@ -203,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     each step after a barrier:
         ddp       torch DDP over gloo, torch AdamW(fused=True), uncompressed
         mpidist   mpidist.torch.DistributedOptimizer wrapping the same AdamW, uncompressed
-        powersgd  the same with compression="powersgd" (rank --rank, error feedback)
+        powersgd  the same with compression="powersgd" (rank --rank, error feedback,
+                  factors sent as --powersgd-factors)
         onebit    mpidist's 1-bit Adam (its momentum sign-compressed after a warm-up)
     Every --eval-every steps, the validation loss on 64 held-out windows and each variant's
     training seconds so far (the slowest rank's; the first WARMUP steps not counted).
@@ -218,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--eval-every", str(args.eval_every), "--rank", str(args.rank),
                   "--freeze-step", str(args.freeze_step),
                   "--powersgd-warmup", str(args.powersgd_warmup),
+                  "--powersgd-factors", args.powersgd_factors,
                   "--bucket-mb", str(args.bucket_mb), "--variants", ",".join(args.variants),
                   *([] if args.flush_denormal else ["--no-flush-denormal"]),
                   "--data", os.path.abspath(args.data)], check=check)

@@ -257,13 +257,14 @@ class CompressedAllreduce:
         return xp.asarray(host)
 
     def _linear(self, ring: Ring, c: Compressor, x, layout, into=None):
-        """The compressor's own reduce, its sums done by the float32 ring (the result
-        written into `into` where given)."""
+        """The compressor's own reduce, its sums done by the ring (float32, or the
+        compressor's sum_codec; the result written into `into` where given)."""
         xp = get_array_module(x)
+        codec = c.sum_codec or RawCodec
 
         def allreduce_sum(a):
             return xp.asarray(ring.allreduce(to_numpy(a).astype(np.float32, copy=True),
-                                             RawCodec))
+                                             codec))
 
         return c.reduce(x, layout, allreduce_sum, ranks=self.comm.size, into=into)
 

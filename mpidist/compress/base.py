@@ -63,6 +63,7 @@ class Compressor:
     name = ""
     aggregation = "gather"
     decodes_alone = True     # each payload decompresses by itself (PowerSGD's do not)
+    sum_codec = None         # linear: how the ring carries the sums (None: float32 as is)
 
     def __init__(self, *, error_feedback: bool, seed: int = 0):
         if not isinstance(error_feedback, (bool, np.bool_)):

@@ -12,6 +12,9 @@ Rank i's own compression is C_i(M_i) = P^ Q_i^T (so sum_i C_i = P^ Q^T): what co
 alone keeps. In the allreduce each rank keeps M_i - P^ Q^T / ranks, its share of what the sum
 dropped (the authors' code does the same): summed over ranks, exactly what was not sent.
 Matrix products are BLAS (NumPy / CuPy matmul): a hand-written kernel would be slower.
+factors="float16" sends P and Q as float16 (a power-of-two scale per chunk, summed in
+float32): half the bytes of a step; every rank rounds alike, and with error feedback the
+rounding joins the residual like the rest of what the sum dropped.
 """
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpidist.compress.base import Compressor
+from mpidist.compress.codecs import CompressorCodec, RawCodec
+from mpidist.compress.fp16 import FP16
 from mpidist.kernels.backend import get_array_module, to_numpy
 
 __all__ = ["PowerSGD", "Plan", "orthonormalize"]
 
 _PIECE = 1 << 16      # elements per pass of the residual update
+_FACTORS = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -97,18 +103,24 @@ class PowerSGD(Compressor):
     aggregation = "linear"
     decodes_alone = False    # the factors are summed over ranks before they decode
 
-    def __init__(self, rank: int = 4, *, error_feedback: bool = True, seed: int = 0):
+    def __init__(self, rank: int = 4, *, factors: str = "float32", error_feedback: bool = True,
+                 seed: int = 0):
         super().__init__(error_feedback=error_feedback, seed=seed)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
             raise TypeError(f"PowerSGD rank must be an int, got {type(rank).__name__}")
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1 (e.g. 1, 2, 4), got {rank}")
-        self.rank = int(rank)
+        if factors not in _FACTORS:
+            raise ValueError(f"PowerSGD factors must be one of {', '.join(_FACTORS)} (the "
+                             f"dtype P and Q cross the network in), got {factors!r}")
+        self.rank, self.factors = int(rank), factors
+        # how the compressed allreduce's ring carries the sums of P and Q
+        self.sum_codec = RawCodec if factors == "float32" else CompressorCodec(FP16(), None)
         self.q = None          # flat warm-start Q of all matrices (same on every rank)
         self.plan = None
 
     def config(self) -> dict:
-        return {**super().config(), "rank": self.rank}
+        return {**super().config(), "rank": self.rank, "factors": self.factors}
 
     def plan_for(self, layout, n: int) -> Plan:
         """The plan of a layout of n elements (its matrices are what PowerSGD compresses)."""

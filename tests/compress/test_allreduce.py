@@ -121,6 +121,35 @@ def test_ring_on_half_precision_chunks(comm, name):
     assert half <= ca.bytes_sent <= half + messages * (16 + 8 + 8)
 
 
+def test_powersgd_float16_factors(comm):
+    """factors="float16": P and Q cross as scaled float16, so a step sends half the bytes
+    (plus a header per message); every rank ends with the same numbers, close to the
+    float32 factors' result; and with error feedback nothing is lost: the ranks' residuals
+    plus p times the results sum to every gradient."""
+    p = comm.size
+    half = CompressedAllreduce(make_compressor("powersgd", rank=2, factors="float16"), comm)
+    full = CompressedAllreduce(make_compressor("powersgd", rank=2), comm)
+    applied = np.zeros(LAYOUT.numel)
+    for step in range(3):
+        g = rank_grad(comm.rank, step)
+        out, ref = half(g, LAYOUT), full(g, LAYOUT)
+        assert all_same(comm, out)
+        applied += out
+        if step == 0:                           # the same warm start: one rounding apart
+            assert np.allclose(out, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+        plan = half.compressor.plan
+        messages = 2 * (p - 1) * 2              # P's and Q's rings
+        least = ring_allreduce_bytes(plan.p_size, p, comm.rank, itemsize=2) + \
+            ring_allreduce_bytes(plan.q_size, p, comm.rank, itemsize=2)
+        assert least <= half.bytes_sent <= least + messages * (16 + 8 + 8)
+        assert half.bytes_sent <= full.bytes_sent / 2 + messages * 32
+    true = sum(rank_grad(r, t).astype(np.float64) for r in range(p) for t in range(3))
+    residuals = comm.comm.allreduce(half.compressor.residual.astype(np.float64))
+    assert np.allclose(residuals + p * applied, true, rtol=0, atol=1e-5 * np.abs(true).max())
+    with pytest.raises(ValueError, match="factors must be one of"):
+        make_compressor("powersgd", factors="bfloat16")
+
+
 @pytest.mark.parametrize("name,opts", RING_CONFIGS)
 def test_ring_with_error_feedback_loses_nothing(comm, name, opts):
     """Re-encoded partial sums: sum over ranks of the residuals plus p times the running
@@ -274,7 +303,7 @@ def test_pack_unpack_round_trip():
     assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(arrays, back))
 
 
-@pytest.mark.parametrize("name,opts", CONFIGS)
+@pytest.mark.parametrize("name,opts", CONFIGS + [("powersgd", {"rank": 2, "factors": "float16"})])
 @pytest.mark.parametrize("warmup", [0, 1])
 def test_inplace_writes_the_same_sum_into_the_buffer(comm, name, opts, warmup):
     """inplace=True: wait() returns the caller's buffer holding what the out-of-place call
