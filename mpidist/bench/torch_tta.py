@@ -33,7 +33,7 @@ def _parse(argv):
     p.add_argument("--steps", type=int, default=300, help="training steps of every variant")
     p.add_argument("--batch", type=int, default=4, help="64-byte windows per rank and step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
-    p.add_argument("--eval-every", type=int, default=20, help="steps between validations")
+    p.add_argument("--eval-every", type=int, default=10, help="steps between validations")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--powersgd-warmup", type=int, default=0,
                    help="PowerSGD's uncompressed first steps")

@@ -45,7 +45,8 @@ class CompressedAllreduce:
       that gathers may instead ring its re-encoded partial sums: 2(p-1)/p payloads sent
       instead of p-1; with error feedback nothing is lost, but the result is no longer
       exactly the sum of each rank's decompressed payload), "linear".
-    warmup_steps: each buffer's first calls run an uncompressed float32 ring allreduce.
+    warmup_steps: each buffer's first calls run a plain ring allreduce, in float32 (or as
+      the compressor's sums cross: PowerSGD's float16 factors make it a float16 ring).
     nonfinite: "raise" or "skip" when any rank's gradient holds inf/NaN.
     After a call: bytes_sent (that call), total_bytes_sent, step (calls), skipped_steps,
     last_skipped.
@@ -167,8 +168,9 @@ class CompressedAllreduce:
             state = self._buffer(bucket_key(grad))
             work = xp.ascontiguousarray(grad, dtype=np.float32)
             if state[1] < self.warmup_steps:
-                # warm-up: the uncompressed float32 ring
-                out = xp.asarray(ring.allreduce(to_numpy(work).copy(), RawCodec))
+                # warm-up: the plain ring, in float32 (or the compressor's sum_codec)
+                out = xp.asarray(ring.allreduce(to_numpy(work).copy(),
+                                                state[0].sum_codec or RawCodec))
             elif self.algorithm == "gather":
                 out = self._gather(ring, state[0], work, layout)
             elif self.algorithm == "ring":

@@ -14,7 +14,8 @@ dropped (the authors' code does the same): summed over ranks, exactly what was n
 Matrix products are BLAS (NumPy / CuPy matmul): a hand-written kernel would be slower.
 factors="float16" sends P and Q as float16 (a power-of-two scale per chunk, summed in
 float32): half the bytes of a step; every rank rounds alike, and with error feedback the
-rounding joins the residual like the rest of what the sum dropped.
+rounding joins the residual like the rest of what the sum dropped. The compressed
+allreduce's warm-up steps then cross as float16 too (no residual: rounded, not fed back).
 """
 from __future__ import annotations
 

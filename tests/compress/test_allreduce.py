@@ -148,6 +148,17 @@ def test_powersgd_float16_factors(comm):
     assert np.allclose(residuals + p * applied, true, rtol=0, atol=1e-5 * np.abs(true).max())
     with pytest.raises(ValueError, match="factors must be one of"):
         make_compressor("powersgd", factors="bfloat16")
+    # warm-up: the whole gradient, rounded to float16 once per hop, no residual
+    warm = CompressedAllreduce(make_compressor("powersgd", rank=2, factors="float16"), comm,
+                               warmup_steps=1)
+    g = rank_grad(comm.rank, 0)
+    out = warm(g, LAYOUT)
+    grads = np.stack([rank_grad(r, 0).astype(np.float64) for r in range(p)])
+    tol = (p + 1) * 2.0**-11 * np.abs(grads).sum(axis=0) / p + 2.0**-30
+    assert np.all(np.abs(out - grads.mean(axis=0)) <= tol) and all_same(comm, out)
+    least = ring_allreduce_bytes(LAYOUT.numel, p, comm.rank, itemsize=2)
+    assert least <= warm.bytes_sent <= least + 2 * (p - 1) * (16 + 8 + 8)
+    assert warm.compressor.residual is None
 
 
 @pytest.mark.parametrize("name,opts", RING_CONFIGS)
