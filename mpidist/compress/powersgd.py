@@ -121,7 +121,10 @@ class PowerSGD(Compressor):
         self.plan = None
 
     def config(self) -> dict:
-        return {**super().config(), "rank": self.rank, "factors": self.factors}
+        cfg = {**super().config(), "rank": self.rank}
+        if self.factors != "float32":   # absent at the default: older checkpoints still load
+            cfg["factors"] = self.factors
+        return cfg
 
     def plan_for(self, layout, n: int) -> Plan:
         """The plan of a layout of n elements (its matrices are what PowerSGD compresses)."""

@@ -148,6 +148,11 @@ def test_powersgd_float16_factors(comm):
     assert np.allclose(residuals + p * applied, true, rtol=0, atol=1e-5 * np.abs(true).max())
     with pytest.raises(ValueError, match="factors must be one of"):
         make_compressor("powersgd", factors="bfloat16")
+    # a checkpoint keeps the choice; one from float32 factors does not load into float16
+    sd = half.compressor.state_dict()
+    make_compressor("powersgd", rank=2, factors="float16").load_state_dict(sd)
+    with pytest.raises(ValueError, match="same options"):
+        make_compressor("powersgd", rank=2).load_state_dict(sd)
     # warm-up: the whole gradient, rounded to float16 once per hop, no residual
     warm = CompressedAllreduce(make_compressor("powersgd", rank=2, factors="float16"), comm,
                                warmup_steps=1)
