@@ -179,7 +179,7 @@ def _report(rows, args) -> str:
              f"target: DDP's final validation loss + {WITHIN:.0%}; time: the slowest rank's "
              f"training seconds from step {WARMUP} on (validation not counted)"]
     head = (f"{'ranks':>5} {'variant':>9} {'step ms':>8} {'final val':>9} {'reached at':>11} "
-            f"{'seconds':>8} {'of DDP':>7}")
+            f"{'its loss':>8} {'seconds':>8} {'of DDP':>7}")
     lines += [head, "-" * len(head)]
     for r in rows:
         ddp = r["curves"]["ddp"]
@@ -187,13 +187,14 @@ def _report(rows, args) -> str:
         for k, curve in r["curves"].items():
             hit = time_to(curve, target)
             at = f"step {hit[0]}" if hit else "-"
+            loss = f"{dict((s, v) for s, _, v in curve)[hit[0]]:.4f}" if hit else "-"
             sec = f"{hit[1]:.1f}" if hit else "-"
             share = f"{hit[1] / total:.2f}" if hit else "-"
             lines.append(f"{r['ranks']:>5} {k:>9} {r['step_ms'][k]:>8.1f} {curve[-1][2]:>9.4f} "
-                         f"{at:>11} {sec:>8} {share:>7}")
-        lines.append(f"{'':>5} DDP's wall time {total:.1f} s to its final loss {ddp[-1][2]:.4f}; "
-                     f"{r['params'] / 1e6:.1f}M parameters ({4 * r['params'] / 1e6:.1f} MB of fp32 "
-                     f"gradients per step)")
+                         f"{at:>11} {loss:>8} {sec:>8} {share:>7}")
+        lines.append(f"{'':>5} DDP's wall time {total:.1f} s to its final loss {ddp[-1][2]:.4f} "
+                     f"(target {target:.4f}); {r['params'] / 1e6:.1f}M parameters "
+                     f"({4 * r['params'] / 1e6:.1f} MB of fp32 gradients per step)")
     return "\n".join(lines)
 
 
