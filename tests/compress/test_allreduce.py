@@ -148,7 +148,7 @@ def test_powersgd_float16_factors(comm):
     assert np.allclose(residuals + p * applied, true, rtol=0, atol=1e-5 * np.abs(true).max())
     with pytest.raises(ValueError, match="factors must be one of"):
         make_compressor("powersgd", factors="bfloat16")
-    # a checkpoint keeps the choice; one from float32 factors does not load into float16
+    # a checkpoint keeps the choice: one written with float16 factors loads only into those
     sd = half.compressor.state_dict()
     make_compressor("powersgd", rank=2, factors="float16").load_state_dict(sd)
     with pytest.raises(ValueError, match="same options"):
