@@ -342,12 +342,15 @@ def test_compression_keeps_ranks_identical(comm):
     opt.close()
 
 
-def test_compressed_gradients_go_as_one_bucket(comm):
+@pytest.mark.parametrize("factors", ["float32", "float16"])
+def test_compressed_gradients_go_as_one_bucket(comm, factors):
     """A compressor reduces in the calling thread, so the whole buffer is one bucket
-    whatever bucket_mb says; PowerSGD (its sum in place) keeps the ranks identical."""
+    whatever bucket_mb says; PowerSGD (its sum in place, its factors in either dtype, after
+    a warm-up step) keeps the ranks identical."""
     model = make_model()
     opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, bucket_mb=1e-4,
-                                  compression="powersgd", compression_options={"rank": 2})
+                                  compression="powersgd", compression_options={
+                                      "rank": 2, "factors": factors, "warmup_steps": 1})
     plain = mt.DistributedOptimizer(make_model(), "sgd", lr=0.1, comm=comm, bucket_mb=1e-4)
     assert len(opt.buckets.buckets) == 1 < len(plain.buckets.buckets)
     before = opt.flat_params.copy()
