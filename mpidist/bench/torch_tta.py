@@ -16,7 +16,7 @@ import numpy as np
 
 from mpidist.bench._driver import add_cluster_options, add_worker_options, drive, init_gloo
 
-__all__ = ["main", "time_to", "check"]
+__all__ = ["main", "first_within", "time_to", "check"]
 
 VARIANTS = ("ddp", "mpidist", "powersgd", "onebit")
 WITHIN = 0.02       # a variant reaches the target once its loss is within 2% of DDP's final
@@ -150,10 +150,16 @@ def _worker(args) -> dict:
     return out
 
 
+def first_within(curve, target: float):
+    """The first point (step, seconds, loss) of curve at or below target, or None."""
+    return next((point for point in curve if point[2] <= target), None)
+
+
 def time_to(curve, target: float):
     """(step, seconds) of the first point of curve [(step, seconds, loss)] at or below
     target, or None."""
-    return next(((s, t) for s, t, loss in curve if loss <= target), None)
+    point = first_within(curve, target)
+    return None if point is None else tuple(point[:2])
 
 
 def check(rows) -> str | None:
@@ -185,9 +191,9 @@ def _report(rows, args) -> str:
         ddp = r["curves"]["ddp"]
         target, total = ddp[-1][2] * (1 + WITHIN), ddp[-1][1]
         for k, curve in r["curves"].items():
-            hit = time_to(curve, target)
+            hit = first_within(curve, target)
             at = f"step {hit[0]}" if hit else "-"
-            loss = f"{dict((s, v) for s, _, v in curve)[hit[0]]:.4f}" if hit else "-"
+            loss = f"{hit[2]:.4f}" if hit else "-"
             sec = f"{hit[1]:.1f}" if hit else "-"
             share = f"{hit[1] / total:.2f}" if hit else "-"
             lines.append(f"{r['ranks']:>5} {k:>9} {r['step_ms'][k]:>8.1f} {curve[-1][2]:>9.4f} "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpidist.compress.base import Compressor
-from mpidist.compress.codecs import CompressorCodec, RawCodec
+from mpidist.compress.codecs import CompressorCodec
 from mpidist.compress.fp16 import FP16
 from mpidist.kernels.backend import get_array_module, to_numpy
 
@@ -115,8 +115,8 @@ class PowerSGD(Compressor):
             raise ValueError(f"PowerSGD factors must be one of {', '.join(_FACTORS)} (the "
                              f"dtype P and Q cross the network in), got {factors!r}")
         self.rank, self.factors = int(rank), factors
-        # how the compressed allreduce's ring carries the sums of P and Q
-        self.sum_codec = RawCodec if factors == "float32" else CompressorCodec(FP16(), None)
+        # how the compressed allreduce's ring carries the sums of P and Q (None: as they are)
+        self.sum_codec = None if factors == "float32" else CompressorCodec(FP16(), None)
         self.q = None          # flat warm-start Q of all matrices (same on every rank)
         self.plan = None
 
