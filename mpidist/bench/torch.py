@@ -110,18 +110,20 @@ def _worker(args) -> dict:
     x, y, loss_fn = _data(args.model, args.batch, comm.rank)
     steps: dict = {}
     nets: dict = {}                             # variant -> the module it trains
+    ready: dict = {}                            # mpidist variant -> (bucket bytes, per step
+                                                # the seconds into it each bucket launched)
 
     def sgd(params):                            # the same torch optimizer on every side
         return torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
 
-    def timed(net, opt, wait=lambda: (0.0, None)):
+    def timed(net, opt, wait=lambda t0: (0.0, None)):
         def step():
             t0 = time.perf_counter()
             opt.zero_grad()
             loss_fn(net(x), y).backward()
             t1 = time.perf_counter()
             opt.step()
-            t_wait, t_optim = wait()
+            t_wait, t_optim = wait(t0)
             t2 = time.perf_counter()
             return t1 - t0, t_wait, (t2 - t1 - t_wait) if t_optim is None else t_optim
         return step
@@ -144,7 +146,14 @@ def _worker(args) -> dict:
         kwargs = dict(lr=0.01, momentum=0.9) if fused else {}
         mopt = mt.DistributedOptimizer(net, opt, comm=comm, zero=zero, bucket_mb=args.bucket_mb,
                                        algorithm=args.algorithm, **kwargs)
-        return timed(net, mopt, lambda: (mopt.last_step["t_wait"], mopt.last_step["t_optim"]))
+        size = mopt.storage.grads.dtype.itemsize
+        ready[name] = ([size * (hi - lo) for lo, hi in mopt.buckets.buckets], [])
+
+        def wait(t0):
+            s = mopt.last_step
+            ready[name][1].append([t - t0 for t in s["launched_at"]])
+            return s["t_wait"], s["t_optim"]
+        return timed(net, mopt, wait)
 
     builders = {"torch": plain, "ddp": ddp,
                 "mpidist": lambda: mpidist_variant("mpidist", 0),
@@ -173,6 +182,12 @@ def _worker(args) -> dict:
         mx = np.empty_like(a)
         comm.comm.Allreduce(a, mx, op=MPI.MAX)
         out["raw"][k] = mx.tolist()
+    out["ready"] = {}
+    for k, (nbytes, at) in ready.items():        # the timed steps, the last rank ready
+        a = np.asarray(at[args.warmup:], dtype=np.float64)
+        mx = np.empty_like(a)
+        comm.comm.Allreduce(a, mx, op=MPI.MAX)
+        out["ready"][k] = {"bytes": nbytes, "at": mx.tolist()}
     out.update(_figures(out))
     if "ddp" in args.variants:
         dist.destroy_process_group()
@@ -234,6 +249,8 @@ def merge(rows) -> dict:
         out["agree"] = {**out["agree"],
                         "own_kernel": worst([r["agree"]["own_kernel"] for r in rows])}
     out["build_orders"] = [o for r in rows for o in r["build_orders"]]
+    out["ready"] = {k: {"bytes": v["bytes"], "at": [x for r in rows for x in r["ready"][k]["at"]]}
+                    for k, v in rows[0].get("ready", {}).items()}
     out.update(_figures(out))
     return out
 
@@ -247,6 +264,21 @@ def link_bound(params: int, ranks: int, nodes: int, batch: int, bits_per_s: floa
         return None
     sent = 2 * (nodes - 1) / nodes * 4 * params
     return sent, batch * ranks / (sent * 8 / bits_per_s)
+
+
+def overlap_bound(ready: dict, nodes: int, bits_per_s: float | None):
+    """(step seconds, bucket) that a perfectly overlapped exchange could reach, from one
+    variant's `ready` (bucket bytes; per step, the seconds into it each bucket's gradients
+    were final, on the last rank): no step ends before, for every bucket, the time it was
+    final plus what the link must carry from it on (2(n-1)/n of those buckets' bytes, as
+    link_bound). The median over the steps, and the bucket that sets it most often. None
+    without a link to bound it (one node, no bandwidth) or a step."""
+    if not bits_per_s or nodes < 2 or not ready["at"]:
+        return None
+    tail = np.cumsum(np.asarray(ready["bytes"], dtype=np.float64)[::-1])[::-1]
+    ends = np.asarray(ready["at"], dtype=np.float64) + 2 * (nodes - 1) / nodes * tail * 8 / bits_per_s
+    binding = np.bincount(np.argmax(ends, axis=1), minlength=len(tail))
+    return float(np.median(ends.max(axis=1))), int(np.argmax(binding))
 
 
 def _report(rows, args) -> str:
@@ -283,6 +315,19 @@ def _report(rows, args) -> str:
         if bound:
             lines.append(f"{'':>5} link bound: {bound[0] / 1e6:.1f} MB per rank per step, "
                          f"{bound[1]:.0f} samples/s")
+        which = next((v for v in VARIANTS if v in r.get("ready", {})), None)
+        over = overlap_bound(r["ready"][which], r.get("nodes", 1), rate) if which else None
+        if over:
+            (step, b), ready = over, r["ready"][which]
+            at = float(np.median([a[b] for a in ready["at"]]))
+            rest = sum(ready["bytes"][b:]) / 1e6
+            samples = r["batch_per_rank"] * r["ranks"]
+            shares = ", ".join(f"{v} {100 * r[v]['samples_per_s'] * step / samples:.0f}%"
+                               for v in VARIANTS if v in r and v != "torch")
+            lines.append(f"{'':>5} overlap bound: {step * 1e3:.1f} ms per step, "
+                         f"{samples / step:.0f} samples/s ({which}'s bucket {b + 1} of "
+                         f"{len(ready['bytes'])} final {at * 1e3:.1f} ms into the step, then "
+                         f"{rest:.1f} MB of buckets at the link's rate): {shares}")
         a = r["agree"]
         own = a.get("own_kernel", {}).get("pair")
         lines.append(f"{'':>5} parameters of {', '.join(a['variants'])}: largest relative "

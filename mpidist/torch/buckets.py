@@ -96,6 +96,7 @@ class GradientBuckets:
         self._flag, self._flag_req = None, None
         self._errors: list[str] = []
         self.t_launch = 0.0
+        self.launched_at: list[float] = []      # per bucket: when it could launch (perf_counter)
 
     @property
     def synced(self) -> bool:
@@ -197,6 +198,7 @@ class GradientBuckets:
                     self._pending[len(self._handles)] == 0:
                 b = len(self._handles)
                 lo, hi = self.buckets[b]
+                self.launched_at.append(t0)
                 self._handles.append(self.exchange.launch(lo, hi, self._own[b]))
                 if len(self._handles) == len(self.buckets):
                     self.exchange.launched()

@@ -170,6 +170,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                        bucket_mb=0 if compressed else bucket_mb,
                                        passes_per_step=self.backward_passes_per_step,
                                        scale=1.0 / c.size if op == "avg" else 1.0)
+        # the last step's figures: skipped, t_launch, t_wait, t_optim (seconds) and
+        # launched_at (time.perf_counter() when each bucket's gradients were final)
         self.last_step: dict = {}
         self._by_bucket = None
         if broadcast:
@@ -308,6 +310,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         t2 = time.perf_counter()
         overlapped = each.spent - spent if each is not None else 0.0    # updates in the wait
         self.last_step = {**info, "t_launch": self.buckets.t_launch,
+                          "launched_at": self.buckets.launched_at,
                           "t_wait": t1 - t0 - overlapped, "t_optim": t2 - t1 + overlapped}
         self.buckets.new_round()
         return loss

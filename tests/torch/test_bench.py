@@ -36,6 +36,13 @@ def test_bench_torch_gpt_reports_every_variant(tmp_path):
     assert row["agree"]["own_kernel"]["max_rel_diff"] <= 1e-4, row["agree"]
     assert row["build_orders"] == ["forward", "reverse"]     # one job each, rounds pooled
     assert all(len(v) == 2 for v in row["raw"].values())
+    # when each mpidist bucket's gradients were final, per timed step: in bucket order, within
+    # the step, the buckets covering every gradient once
+    for variant in ("mpidist", "mpidist-fused", "zero2"):
+        ready = row["ready"][variant]
+        assert sum(ready["bytes"]) == 4 * row["params"] and len(ready["at"]) == 2
+        for at in ready["at"]:
+            assert len(at) == len(ready["bytes"]) and at == sorted(at) and 0 < at[0] < 60
 
 
 @pytest.mark.launcher
@@ -139,3 +146,19 @@ def test_the_link_bound_is_bytes_per_step_over_the_bandwidth():
     assert sent == 4_000_000                        # 2 (n-1)/n of the fp32 gradients, n = 2
     assert rate == pytest.approx(200 / (4e6 * 8 / 1e9))
     assert link_bound(1_000_000, 4, 1, 100, 1e9) is None   # one node: no link to bound it
+
+
+def test_the_overlap_bound_is_the_latest_bucket_plus_the_bytes_after_it():
+    from mpidist.bench.torch import overlap_bound
+    ready = {"bytes": [16e6, 8e6], "at": [[0.040, 0.050], [0.042, 0.060], [0.044, 0.052]]}
+    # at 10 Gbit/s between 2 nodes the ring sends each byte once: 24 MB take 19.2 ms, 8 MB 6.4
+    step, bucket = overlap_bound(ready, nodes=2, bits_per_s=1e10)
+    ends = [max(0.040 + 0.0192, 0.050 + 0.0064), max(0.042 + 0.0192, 0.060 + 0.0064),
+            max(0.044 + 0.0192, 0.052 + 0.0064)]
+    assert step == pytest.approx(sorted(ends)[1])
+    assert bucket == 0                              # two steps of three: the first bucket
+    # 4 nodes: 2 (n-1)/n = 1.5 times the bytes cross each link
+    assert overlap_bound(ready, 4, 1e10)[0] == pytest.approx(0.042 + 1.5 * 0.0192)  # median
+    assert overlap_bound(ready, 1, 1e10) is None    # one node: no link
+    assert overlap_bound(ready, 2, None) is None
+    assert overlap_bound({"bytes": [1.0], "at": []}, 2, 1e10) is None
