@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     overlapped communication), exposed communication (ddp: its forward+backward minus plain
     torch's in the same round; mpidist: the wait in step()) and optimizer; times are the
     slowest rank's, medians over the timed steps. Reported: samples/s and the ratio to ddp
-    (to plain torch on one rank, where DDP has nothing to do). The run fails unless the
+    (to plain torch on one rank, where DDP has nothing to do); on a simulated cluster the
+    share of the link bound and of the overlap bound (overlap_bound: mpidist's own buckets,
+    each final when its hooks launched it on the last rank). The run fails unless the
     data-parallel variants end with the same parameters (check).
     """
     args = _parse(argv)
