@@ -6,7 +6,10 @@ Every call is checked, by one MPI_Allreduce of a ballot (ballot.py) holding the 
 digest d and -d under MAX: max(d) == -max(-d) exactly when every rank has the same d (a rank
 with an argument error votes a value no digest takes). A small native host allreduce rides
 in the ballot itself (check_reduce), so its check costs no message of its own. Only a
-failed check exchanges the full signatures, to say who differs. Each checked call goes on
+failed check exchanges the full signatures, to say who differs. On a thread beside compute
+(collectives.waits: patient) the ranks first meet in a nonblocking barrier, waited for with
+naps, so that a worker whose peers are still in backward does not spin in the ballot's
+blocking MPI_Allreduce on the core that backward needs. Each checked call goes on
 the flight recorder (flight.py), whose watchdog ends a job whose call never finishes.
 Modes (env MPIDIST_GUARD or set_mode()): "on" (the default; "first" and "always" are older
 names of it) or "off" (no check, no record: a rank with a bad argument then raises alone).
@@ -19,7 +22,7 @@ import os
 
 import numpy as np
 
-from mpidist.collectives import ballot, flight
+from mpidist.collectives import ballot, flight, waits
 from mpidist.collectives.flight import describe
 from mpidist.errors import MismatchError, RemoteError, format_ranks
 
@@ -84,6 +87,8 @@ def check(comm, signature: tuple | None, error: BaseException | None = None, rec
     entry = flight.begin(record, signature)    # from here on a hang is on the record
     d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
     try:
+        if waits.is_patient():                  # the same on every rank: see waits
+            waits.waitall([comm.comm.Ibarrier()])
         if not b.vote(d) or error is not None:
             explain(comm.comm, signature, error)
     except BaseException:

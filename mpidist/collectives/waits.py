@@ -8,6 +8,10 @@ takes milliseconds, it would take it for all of them). Threads that run beside c
 call mark_patient() once; their waits then test the requests, spinning briefly and then
 napping (mpidist.backoff), so the core goes back to the compute between tests, and each
 test still moves the transfer on (it is MPI's progress call).
+
+A communicator's collectives come from patient threads on every rank or on none (the
+allreduce worker's communicator is its own split, used by that worker alone), since the
+guard (collectives.guard) adds a message where the thread is patient.
 """
 from __future__ import annotations
 

@@ -63,6 +63,34 @@ def test_async_mismatch_raises_on_every_rank(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_single_async_call_is_checked_on_its_worker(comm):
+    # one array: checked by the worker thread (patient), raised by wait() on every rank
+    x = np.ones(30 + (comm.rank == comm.size - 1), np.float32)
+    with pytest.raises(MismatchError, match="n=30.*n=31|n=31.*n=30"):
+        allreduce_async(x, comm=comm).wait()
+    y = allreduce_async(np.ones(30, np.float32), comm=comm).wait()      # and goes on
+    assert np.all(y == comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_worker_waiting_for_a_late_rank_leaves_the_core(comm):
+    # rank 0 comes 0.4 s late; the others' workers wait for it in the guard's check with
+    # naps, not spinning in the ballot's MPI_Allreduce (which would cost about 0.4 s of
+    # CPU time each: their main threads only block in wait())
+    late = 0.4
+    allreduce_async(np.ones(8), comm=comm).wait()         # the worker and its ballot exist
+    comm.comm.Barrier()
+    if comm.rank == 0:
+        time.sleep(late)
+    cpu = time.process_time()
+    h = allreduce_async(np.ones(8), comm=comm)
+    assert np.all(h.wait() == comm.size)
+    spent = time.process_time() - cpu
+    if comm.rank != 0:
+        assert spent < 0.25 * late, f"{spent:.3f} s of CPU while waiting {late} s"
+
+
+@pytest.mark.mpi(min_size=2)
 def test_bad_argument_on_one_rank_raises_everywhere(comm):
     x = np.ones(4, np.complex64 if comm.rank == 0 else np.float32)
     expected = TypeError if comm.rank == 0 else RemoteError
