@@ -80,3 +80,32 @@ def test_each_call_is_checked_once_and_auto_asks_the_table(comm, algorithm, monk
     assert calls == ["torch.allreduce"] * 4 + ["torch.broadcast", "torch.reduce_scatter",
                                                "torch.barrier"], calls
     assert windowed == expect
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_worker_waiting_for_a_late_rank_across_nodes_leaves_the_core(comm):
+    """Nodes of one rank (no shared window): the group's worker waits for a late rank in
+    the guard's check and the ring with naps, not spinning in MPI, so the CPU time it takes
+    is a small part of the wait (a spinning worker takes about all of it)."""
+    g = Group(Communicator(comm.comm, ranks_per_node=1))
+    errors, late = [], 0.4
+    try:
+        done = []
+        g.allreduce(done.append, "sum", None, [torch.ones(1 << 18)])   # the worker, the ballot
+        while not done:
+            time.sleep(1e-3)
+        comm.comm.Barrier()
+        if comm.rank == 0:
+            time.sleep(late)
+        t, done = torch.ones(1 << 18), []
+        cpu = time.process_time()
+        g.allreduce(done.append, "sum", None, [t])
+        while not done:
+            time.sleep(1e-3)
+        spent = time.process_time() - cpu
+        errors += done
+    finally:
+        g.shutdown()
+    assert errors == [None] and t[0].item() == comm.size
+    if comm.rank != 0:
+        assert spent < 0.25 * late, f"{spent:.3f} s of CPU while waiting {late} s"

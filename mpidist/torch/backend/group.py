@@ -33,6 +33,7 @@ from mpidist.collectives.arrays import as_array
 from mpidist.collectives.core import reduced_bytes, run_allreduce
 from mpidist.collectives.node import reductions
 from mpidist.collectives.ops import OPS, SUPPORTED_DTYPES, accumulator_dtype, get_op, narrow
+from mpidist.collectives.waits import mark_patient
 from mpidist.comm import Communicator
 from mpidist.torch.backend import cuda
 from mpidist.torch.backend.moves import Movement, parts
@@ -73,9 +74,11 @@ class Group(Movement):
         self.rank, self.size = comm.rank, comm.size
         self._p2p = comm.comm.Dup()
         threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-        # without MPI_THREAD_MULTIPLE everything runs inside the call, on the caller's thread
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch") \
-            if threaded else None
+        # without MPI_THREAD_MULTIPLE everything runs inside the call, on the caller's thread;
+        # with it, on a worker beside backward, whose MPI waits nap (collectives.waits): it
+        # alone calls the group's collectives on comm, on every rank
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch",
+                                        initializer=mark_patient) if threaded else None
         self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch-p2p") \
             if threaded else None
         # ranks sharing one node: the guard's digests and "shm" allreduces in their window
