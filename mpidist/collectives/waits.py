@@ -10,8 +10,9 @@ napping (mpidist.backoff), so the core goes back to the compute between tests, a
 test still moves the transfer on (it is MPI's progress call).
 
 A communicator's collectives come from patient threads on every rank or on none (the
-allreduce worker's communicator is its own split, used by that worker alone), since the
-guard (collectives.guard) adds a message where the thread is patient.
+allreduce worker's communicator is its own split, a torch backend group's is called by the
+group's worker alone), since the guard (collectives.guard) adds a message where the thread
+is patient.
 """
 from __future__ import annotations
 
