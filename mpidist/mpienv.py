@@ -5,16 +5,52 @@ no RDMA device it prints an error line per rank and window, then falls back to a
 component anyway. On a host with no RDMA device (/sys/class/infiniband empty or absent)
 mpidist leaves that component out, unless OMPI_MCA_osc is set already; on an InfiniBand or
 RoCE host it stays, since there it is the fast one. MPI libraries other than Open MPI ignore
-the variable. It takes effect only where `import mpidist` comes before MPI is initialised
-(mpi4py initialises it on `from mpi4py import MPI`).
+the variable.
+
+Open MPI's TCP transport sends a message above its eager limit (64 KiB) by rendezvous: the
+receiver answers before the data moves. Across a loaded link that answer queues behind the
+data flowing the other way, once per ring segment, so mpidist raises the limit to hold one
+segment (`segment_bytes`, plus room for the header) and the ring's segments go eagerly into
+receives it posted ahead; unless OMPI_MCA_btl_tcp_eager_limit is set already.
+
+Both take effect only where `import mpidist` comes before MPI is initialised (mpi4py
+initialises it on `from mpi4py import MPI`).
 """
 from __future__ import annotations
 
+import functools
 import os
 
-__all__ = ["apply"]
+__all__ = ["apply", "segment_bytes"]
 
 _RDMA = "/sys/class/infiniband"
+_EAGER = "OMPI_MCA_btl_tcp_eager_limit"
+_HEADER = 1024                     # room for the MPI library's header beside one segment
+_TCP_EAGER_DEFAULT = 64 << 10      # Open MPI's own btl_tcp_eager_limit
+
+
+def segment_bytes(env=None) -> int:
+    """Bytes per pipelined segment of the ring and the tree (env MPIDIST_SEGMENT_BYTES,
+    default 1 MiB); a bad value raises ValueError naming the variable.
+
+    Without a single-copy transport or an MPI progress thread, a segment moves only while
+    both neighbours are inside MPI calls, so segments stay large enough for the per-message
+    cost to be small against the copy and the reduction.
+    """
+    return _parse_segment_bytes((os.environ if env is None else env).get("MPIDIST_SEGMENT_BYTES"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_segment_bytes(value: str | None) -> int:
+    if not value:
+        return 1 << 20
+    try:
+        seg = int(value)
+    except ValueError:
+        seg = 0
+    if seg < 1:
+        raise ValueError(f"MPIDIST_SEGMENT_BYTES must be a positive number of bytes, got {value!r}")
+    return seg
 
 
 def apply(env=None) -> dict:
@@ -27,4 +63,11 @@ def apply(env=None) -> dict:
         rdma = False
     if not rdma and "OMPI_MCA_osc" not in env:
         env["OMPI_MCA_osc"] = done["OMPI_MCA_osc"] = "^ucx"
+    if _EAGER not in env:
+        try:
+            seg = segment_bytes(env)
+        except ValueError:
+            seg = 0                # the ring raises, on every rank, when it runs
+        if seg + _HEADER > _TCP_EAGER_DEFAULT:
+            env[_EAGER] = done[_EAGER] = str(seg + _HEADER)
     return done

@@ -28,10 +28,24 @@ def test_ulfm_switch_is_read_from_the_library_s_own_variable():
 
 def test_osc_ucx_is_left_out_only_without_an_rdma_device(monkeypatch, tmp_path):
     from mpidist import mpienv
+    mine = {"OMPI_MCA_btl_tcp_eager_limit": "1"}
     monkeypatch.setattr(mpienv, "_RDMA", str(tmp_path / "none"))
-    assert mpienv.apply({}) == {"OMPI_MCA_osc": "^ucx"}
-    assert mpienv.apply({"OMPI_MCA_osc": "ucx"}) == {}          # the user's setting stands
+    assert mpienv.apply(dict(mine)) == {"OMPI_MCA_osc": "^ucx"}
+    assert mpienv.apply({"OMPI_MCA_osc": "ucx", **mine}) == {}   # the user's setting stands
     (tmp_path / "ib").mkdir()
     (tmp_path / "ib" / "mlx5_0").mkdir()
     monkeypatch.setattr(mpienv, "_RDMA", str(tmp_path / "ib"))
-    assert mpienv.apply({}) == {}
+    assert mpienv.apply(dict(mine)) == {}
+
+
+def test_tcp_eager_limit_holds_one_ring_segment_unless_set():
+    from mpidist import mpienv
+    var = "OMPI_MCA_btl_tcp_eager_limit"
+    base = {"OMPI_MCA_osc": "ucx"}
+    assert mpienv.apply(dict(base))[var] == str((1 << 20) + 1024)
+    env = {**base, "MPIDIST_SEGMENT_BYTES": str(4 << 20)}
+    assert mpienv.apply(env) == {var: str((4 << 20) + 1024)} and env[var] == str((4 << 20) + 1024)
+    assert mpienv.apply({**base, var: "65536"}) == {}             # the user's setting stands
+    assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": "4096"}) == {}  # never below Open MPI's
+    assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": "lots"}) == {}  # the ring raises later
+

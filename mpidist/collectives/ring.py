@@ -28,6 +28,7 @@ from mpi4py import MPI
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.workspace import same_view, scratch
 from mpidist.collectives.waits import sendrecv, waitany
+from mpidist.mpienv import segment_bytes
 from mpidist.partition import counts_displs
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "segments",
@@ -39,29 +40,6 @@ PACE_ABOVE = 4e-3        # seconds a segment takes on the wire, above which send
 _PACING = ("auto", "on", "off")
 # comm -> (the last step's seconds per segment, the lesser of the last two steps')
 _segment_seconds: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def segment_bytes() -> int:
-    """Bytes per pipelined segment (env MPIDIST_SEGMENT_BYTES, default 1 MiB).
-
-    Without a single-copy transport or an MPI progress thread, a segment moves only while
-    both neighbours are inside MPI calls and each one costs a rendezvous handshake, so
-    segments stay large enough for that to be small against the copy and the reduction.
-    """
-    return _parse_segment_bytes(os.environ.get("MPIDIST_SEGMENT_BYTES"))
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_segment_bytes(value: str | None) -> int:
-    if not value:
-        return 1 << 20
-    try:
-        seg = int(value)
-    except ValueError:
-        seg = 0
-    if seg < 1:
-        raise ValueError(f"MPIDIST_SEGMENT_BYTES must be a positive number of bytes, got {value!r}")
-    return seg
 
 
 def paced(comm) -> bool:
