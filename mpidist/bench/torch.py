@@ -18,7 +18,7 @@ import numpy as np
 
 from mpidist.bench._driver import (add_cluster_options, add_worker_options, drive,
                                    in_build_order, init_gloo)
-from mpidist.simcluster import parse_rate
+from mpidist.simcluster import parse_rate, tcp_payload_share
 
 __all__ = ["main"]
 
@@ -328,6 +328,8 @@ def _report(rows, args) -> str:
                          f"{samples / step:.0f} samples/s ({which}'s bucket {b + 1} of "
                          f"{len(ready['bytes'])} final {at * 1e3:.1f} ms into the step, then "
                          f"{rest:.1f} MB of buckets at the link's rate): {shares}")
+        if bound:
+            lines.append(_at_payload_rate(r, which, rate))
         a = r["agree"]
         own = a.get("own_kernel", {}).get("pair")
         lines.append(f"{'':>5} parameters of {', '.join(a['variants'])}: largest relative "
@@ -336,6 +338,23 @@ def _report(rows, args) -> str:
                      (f", with mpidist's kernel {a['own_kernel']['max_rel_diff']:.1e} "
                       f"({' vs '.join(own)}; <= {OWN_KERNEL_TOLERANCE:g})" if own else ""))
     return "\n".join(lines)
+
+
+def _at_payload_rate(r, which, rate: float) -> str:
+    """The link and overlap bounds again at the rate TCP's payload gets (tcp_payload_share),
+    and each variant's share of the tighter one: where a row stands against the link as any
+    transport over TCP sees it."""
+    share = tcp_payload_share()
+    payload = rate * share
+    samples = r["batch_per_rank"] * r["ranks"]
+    _, link = link_bound(r["params"], r["ranks"], r.get("nodes", 1), r["batch_per_rank"], payload)
+    over = overlap_bound(r["ready"][which], r.get("nodes", 1), payload) if which else None
+    best = min(link, samples / over[0]) if over else link
+    shares = ", ".join(f"{v} {100 * r[v]['samples_per_s'] / best:.0f}%"
+                       for v in VARIANTS if v in r and v != "torch")
+    return (f"{'':>5} at the TCP payload rate ({100 * share:.1f}% of the link): link bound "
+            f"{link:.0f} samples/s" + (f", overlap bound {over[0] * 1e3:.1f} ms per step"
+                                       if over else "") + f": {shares}")
 
 
 def check(rows) -> str | None:

@@ -162,3 +162,29 @@ def test_the_overlap_bound_is_the_latest_bucket_plus_the_bytes_after_it():
     assert overlap_bound(ready, 1, 1e10) is None    # one node: no link
     assert overlap_bound(ready, 2, None) is None
     assert overlap_bound({"bytes": [1.0], "at": []}, 2, 1e10) is None
+
+
+def test_the_bounds_at_the_tcp_payload_rate():
+    """TCP/IP headers leave 1448 of every 1514 bytes a shaped link carries to payload; the
+    report gives both bounds at that rate and each variant's share of the tighter one."""
+    import argparse
+    from mpidist.bench.torch import _report
+    from mpidist.simcluster import tcp_payload_share
+    assert tcp_payload_share(1500) == pytest.approx(1448 / 1514)
+    assert tcp_payload_share(9000) == pytest.approx(8948 / 9014)      # jumbo frames
+    timing = {"step": 0.25, "compute": 0.05, "comm": 0.2, "optim": 0.0}
+    row = {"ranks": 2, "nodes": 2, "batch_per_rank": 100, "params": 1_000_000,
+           "torch": {**timing, "step": 0.05, "samples_per_s": 4000.0},
+           "ddp": {**timing, "samples_per_s": 800.0}, "mpidist": {**timing, "samples_per_s": 760.0},
+           "ready": {"mpidist": {"bytes": [4e6], "at": [[0.040], [0.040], [0.040]]}},
+           "agree": {"variants": ["ddp", "mpidist"], "max_rel_diff": 0.0, "pair": ["ddp", "mpidist"]}}
+    args = argparse.Namespace(model="mlp", cluster="2x1", bandwidth="1gbit", batch=100, threads="1",
+                              bucket_mb=4.0, steps=3)
+    line = next(x for x in _report([row], args).splitlines() if "TCP payload" in x)
+    # 4 MB per rank at 1 Gbit/s x 1448/1514: 33.46 ms; after 40 ms of compute the overlap
+    # bound, 73.46 ms per step (2722 samples/s), is the tighter one
+    payload = 1e9 * 1448 / 1514
+    over = 0.040 + 4e6 * 8 / payload
+    assert f"link bound {200 / (4e6 * 8 / payload):.0f} samples/s" in line
+    assert f"overlap bound {over * 1e3:.1f} ms per step" in line
+    assert f"ddp {100 * 800 * over / 200:.0f}%" in line and f"mpidist {100 * 760 * over / 200:.0f}%" in line
