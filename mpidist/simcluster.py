@@ -24,11 +24,10 @@ import time
 
 from mpidist.launcher import mpi_env, mpi_vendor, mpiexec_argv
 
-__all__ = ["SimCluster", "unavailable_reason", "parse_rate", "tcp_payload_share", "nic_bytes",
-           "cleanup_stale", "NIC", "SUBNET", "MTU", "main"]
+__all__ = ["SimCluster", "unavailable_reason", "parse_rate", "nic_bytes", "cleanup_stale",
+           "NIC", "SUBNET", "main"]
 
 NIC = "sim0"                      # every node's cluster NIC
-MTU = 1500                        # its MTU (the veth's default; the cluster leaves it)
 SUBNET = "10.231.0.0/24"          # only inside the cluster's own namespaces
 PREFIX = "mpsim"                  # namespace names: mpsim<owner pid>x<k>-hub / -n<i>
 ENV_NODE = "MPIDIST_SIMCLUSTER_NODE"
@@ -57,14 +56,6 @@ def parse_rate(rate: str | None) -> float | None:
     if value <= 0:
         raise ValueError(f"bandwidth must be positive, got {rate!r}")
     return value
-
-
-def tcp_payload_share(mtu: int = MTU) -> float:
-    """The share of a shaped link's rate left to TCP's payload: tc counts each full frame's
-    Ethernet (14 bytes), IPv4 (20) and TCP headers (32, with the timestamps Linux sends)
-    beside its mtu - 52 bytes of payload. An estimate (the acknowledgements in the other
-    direction are not counted): what no transport over TCP on these links can exceed."""
-    return (mtu - 52) / (mtu + 14)
 
 
 def _run(argv, check=True, **kwargs) -> subprocess.CompletedProcess:

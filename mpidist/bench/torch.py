@@ -18,7 +18,8 @@ import numpy as np
 
 from mpidist.bench._driver import (add_cluster_options, add_worker_options, drive,
                                    in_build_order, init_gloo)
-from mpidist.simcluster import parse_rate, tcp_payload_share
+from mpidist.bench._bounds import at_payload_rate, link_bound, overlap_bound
+from mpidist.simcluster import parse_rate
 
 __all__ = ["main"]
 
@@ -256,31 +257,6 @@ def merge(rows) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def link_bound(params: int, ranks: int, nodes: int, batch: int, bits_per_s: float | None):
-    """(bytes each rank sends per step over the slowest link, samples/s the link allows):
-    a ring allreduce of the fp32 gradients sends 2(n-1)/n of them over each node's link (n
-    nodes; within a node the sum is local), or None without a bandwidth or with one node."""
-    if not bits_per_s or nodes < 2:
-        return None
-    sent = 2 * (nodes - 1) / nodes * 4 * params
-    return sent, batch * ranks / (sent * 8 / bits_per_s)
-
-
-def overlap_bound(ready: dict, nodes: int, bits_per_s: float | None):
-    """(step seconds, bucket) that a perfectly overlapped exchange could reach, from one
-    variant's `ready` (bucket bytes; per step, the seconds into it each bucket's gradients
-    were final, on the last rank): no step ends before, for every bucket, the time it was
-    final plus what the link must carry from it on (2(n-1)/n of those buckets' bytes, as
-    link_bound). The median over the steps, and the bucket that sets it most often. None
-    without a link to bound it (one node, no bandwidth) or a step."""
-    if not bits_per_s or nodes < 2 or not ready["at"]:
-        return None
-    tail = np.cumsum(np.asarray(ready["bytes"], dtype=np.float64)[::-1])[::-1]
-    ends = np.asarray(ready["at"], dtype=np.float64) + 2 * (nodes - 1) / nodes * tail * 8 / bits_per_s
-    binding = np.bincount(np.argmax(ends, axis=1), minlength=len(tail))
-    return float(np.median(ends.max(axis=1))), int(np.argmax(binding))
-
-
 def _report(rows, args) -> str:
     head = (f"{'ranks':>5} {'variant':>13} {'step ms':>8} {'compute':>8} {'exp.comm':>8} "
             f"{'optim':>6} {'samples/s':>10} {'ratio':>6} {'compute%':>8} {'link%':>6}")
@@ -329,7 +305,7 @@ def _report(rows, args) -> str:
                          f"{len(ready['bytes'])} final {at * 1e3:.1f} ms into the step, then "
                          f"{rest:.1f} MB of buckets at the link's rate): {shares}")
         if bound:
-            lines.append(_at_payload_rate(r, which, rate))
+            lines.append(at_payload_rate(r, which, rate, VARIANTS))
         a = r["agree"]
         own = a.get("own_kernel", {}).get("pair")
         lines.append(f"{'':>5} parameters of {', '.join(a['variants'])}: largest relative "
@@ -338,23 +314,6 @@ def _report(rows, args) -> str:
                      (f", with mpidist's kernel {a['own_kernel']['max_rel_diff']:.1e} "
                       f"({' vs '.join(own)}; <= {OWN_KERNEL_TOLERANCE:g})" if own else ""))
     return "\n".join(lines)
-
-
-def _at_payload_rate(r, which, rate: float) -> str:
-    """The link and overlap bounds again at the rate TCP's payload gets (tcp_payload_share),
-    and each variant's share of the tighter one: where a row stands against the link as any
-    transport over TCP sees it."""
-    share = tcp_payload_share()
-    payload = rate * share
-    samples = r["batch_per_rank"] * r["ranks"]
-    _, link = link_bound(r["params"], r["ranks"], r.get("nodes", 1), r["batch_per_rank"], payload)
-    over = overlap_bound(r["ready"][which], r.get("nodes", 1), payload) if which else None
-    best = min(link, samples / over[0]) if over else link
-    shares = ", ".join(f"{v} {100 * r[v]['samples_per_s'] / best:.0f}%"
-                       for v in VARIANTS if v in r and v != "torch")
-    return (f"{'':>5} at the TCP payload rate ({100 * share:.1f}% of the link): link bound "
-            f"{link:.0f} samples/s" + (f", overlap bound {over[0] * 1e3:.1f} ms per step"
-                                       if over else "") + f": {shares}")
 
 
 def check(rows) -> str | None:
@@ -391,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     slowest rank's, medians over the timed steps. Reported: samples/s and the ratio to ddp
     (to plain torch on one rank, where DDP has nothing to do); on a simulated cluster the
     share of the link bound and of the overlap bound (overlap_bound: mpidist's own buckets,
-    each final when its hooks launched it on the last rank). The run fails unless the
+    each final when its hooks launched it on the last rank), and both again at the rate TCP's
+    payload gets (_bounds.tcp_payload_share). The run fails unless the
     data-parallel variants end with the same parameters (check).
     """
     args = _parse(argv)

@@ -141,7 +141,7 @@ def test_bench_torch_pools_the_rounds_of_both_build_orders():
 
 
 def test_the_link_bound_is_bytes_per_step_over_the_bandwidth():
-    from mpidist.bench.torch import link_bound
+    from mpidist.bench._bounds import link_bound
     sent, rate = link_bound(params=1_000_000, ranks=2, nodes=2, batch=100, bits_per_s=1e9)
     assert sent == 4_000_000                        # 2 (n-1)/n of the fp32 gradients, n = 2
     assert rate == pytest.approx(200 / (4e6 * 8 / 1e9))
@@ -149,7 +149,7 @@ def test_the_link_bound_is_bytes_per_step_over_the_bandwidth():
 
 
 def test_the_overlap_bound_is_the_latest_bucket_plus_the_bytes_after_it():
-    from mpidist.bench.torch import overlap_bound
+    from mpidist.bench._bounds import overlap_bound
     ready = {"bytes": [16e6, 8e6], "at": [[0.040, 0.050], [0.042, 0.060], [0.044, 0.052]]}
     # at 10 Gbit/s between 2 nodes the ring sends each byte once: 24 MB take 19.2 ms, 8 MB 6.4
     step, bucket = overlap_bound(ready, nodes=2, bits_per_s=1e10)
@@ -169,7 +169,7 @@ def test_the_bounds_at_the_tcp_payload_rate():
     report gives both bounds at that rate and each variant's share of the tighter one."""
     import argparse
     from mpidist.bench.torch import _report
-    from mpidist.simcluster import tcp_payload_share
+    from mpidist.bench._bounds import tcp_payload_share
     assert tcp_payload_share(1500) == pytest.approx(1448 / 1514)
     assert tcp_payload_share(9000) == pytest.approx(8948 / 9014)      # jumbo frames
     timing = {"step": 0.25, "compute": 0.05, "comm": 0.2, "optim": 0.0}
