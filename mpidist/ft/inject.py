@@ -1,7 +1,9 @@
 """Fault injection for the fault-tolerance tests and `mpidist bench ft`: planned kills.
 
-MPIDIST_FT_KILL="RANK@STEP,...": the rank (of the job at start) SIGKILLs itself 0-50 ms into
-the step after STEP, or in its first recovery once shrunk ("RANK@recovery"), first writing
+MPIDIST_FT_KILL="RANK@STEP,...": the rank (of the job at start) SIGKILLs itself a moment into
+the step after STEP (0-50 ms, at most the length of the step before: a short job's last steps
+can take less than 50 ms together, and a kill after them would find no step to break), or in
+its first recovery once shrunk ("RANK@recovery"), first writing
 the time to <out_dir>/killed-rank<RANK>.txt so that a test can measure from the kill. Kept
 apart from the recovery protocol (mpidist.ft.recovery), which only asks it at two points.
 """
@@ -30,11 +32,15 @@ class KillPlan:
         rank = MPI.COMM_WORLD.Get_rank() if rank is None else rank
         self.rank = rank
         self.when = parse(os.environ.get(ENV_KILL, "") if spec is None else spec, rank)
+        self._last = None               # when the step before completed (perf_counter)
 
     def after_step(self, step: int) -> None:
         """A step completed: die a moment into the next one if planned."""
+        now, last = time.perf_counter(), self._last
+        self._last = now
         if step in self.when:
-            threading.Timer(random.Random(step).uniform(0, 0.05), self.die).start()
+            longest = 0.05 if last is None else min(0.05, now - last)
+            threading.Timer(random.Random(step).uniform(0, longest), self.die).start()
 
     def in_recovery(self) -> None:
         """The communicator was just shrunk: die now if planned."""

@@ -137,3 +137,30 @@ def test_planned_kills_are_read_per_rank_and_a_bad_plan_is_refused():
     assert parse("", 1) == set() and KillPlan("/tmp", spec="3@5", rank=1).when == set()
     with pytest.raises(ConfigError, match=ENV_KILL):
         parse("rank1@5", 1)
+
+
+def test_a_planned_kill_lands_within_the_next_step(monkeypatch):
+    """The kill's delay is at most 50 ms and at most the step before's length, so that a
+    short job's last steps cannot all pass before it (the job would end unbroken)."""
+    import random
+    import types
+    from mpidist.ft import inject
+    delays = []
+
+    class Timer:                        # records the delay instead of killing this process
+        def __init__(self, delay, fn):
+            delays.append(delay)
+
+        def start(self):
+            pass
+    monkeypatch.setattr(inject.threading, "Timer", Timer)
+    clock = iter([10.0, 10.002, 10.004, 11.0, 11.5, 11.502])
+    monkeypatch.setattr(inject, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    plan = inject.KillPlan("/tmp", spec="0@1,0@2,0@4,0@5", rank=0)
+    for step in range(6):
+        plan.after_step(step)
+    # step 1: the first measured step (2 ms); 2: 2 ms; 4: 0.5 s, so the 50 ms cap; 5: 2 ms
+    assert len(delays) == 4 and all(d >= 0 for d in delays)
+    assert delays[0] <= 0.002 and delays[1] <= 0.002 and delays[3] <= 0.002
+    assert delays[2] <= 0.05
+    assert delays[2] == pytest.approx(random.Random(4).uniform(0, 0.05))
