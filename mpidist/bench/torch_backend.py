@@ -14,12 +14,15 @@ import time
 
 import numpy as np
 
+from mpidist.bench._bounds import link_bound, tcp_payload_share
 from mpidist.bench._driver import (add_cluster_options, add_worker_options, drive,
                                    in_build_order)
+from mpidist.simcluster import parse_rate
 
 __all__ = ["main"]
 
 VARIANTS = ("gloo", "mpidist")
+COMPUTE = "torch"       # the compute bound: the same model and step alone, no communication
 IN, HIDDEN, CLASSES = 1024, 2048, 10
 
 
@@ -82,6 +85,14 @@ def _worker(args) -> dict:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
         steps[name] = step
+    plain = _mlp()
+    popt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9, fused=True)
+
+    def alone():
+        popt.zero_grad()
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        popt.step()
+    steps[COMPUTE] = alone
 
     times = {k: [] for k in steps}
     order = np.random.default_rng(1234)         # the same shuffles on every rank
@@ -95,7 +106,8 @@ def _worker(args) -> dict:
     a, b = (torch.cat([p.detach().reshape(-1).double() for p in nets[k].parameters()])
             for k in VARIANTS)
     diff = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-    out = {"ranks": comm.size, "batch_per_rank": args.batch, "algorithm": args.algorithm,
+    out = {"ranks": comm.size, "nodes": comm.num_nodes, "batch_per_rank": args.batch,
+           "algorithm": args.algorithm,
            "bucket_mb": args.bucket_mb, "bucket_view": args.bucket_view,
            "params": sum(p.numel() for p in _mlp().parameters()),
            "agree": comm.comm.allreduce(diff, op=MPI.MAX)}
@@ -120,15 +132,17 @@ def merge(rows) -> dict:
     times pooled, the largest parameter difference kept."""
     out = dict(rows[0])
     samples = rows[0]["batch_per_rank"] * rows[0]["ranks"]
-    for v in VARIANTS:
-        out[v] = _timing([t for r in rows for t in r[v]["times"]], samples)
+    for v in VARIANTS + (COMPUTE,):
+        if all(v in r for r in rows):
+            out[v] = _timing([t for r in rows for t in r[v]["times"]], samples)
     out["agree"] = max(r["agree"] for r in rows)
     out["build_orders"] = [o for r in rows for o in r["build_orders"]]
     return out
 
 
 def _report(rows, args) -> str:
-    head = f"{'ranks':>5} {'backend':>8} {'step ms':>8} {'samples/s':>10} {'vs gloo':>8}"
+    head = (f"{'ranks':>5} {'backend':>8} {'step ms':>8} {'samples/s':>10} {'vs gloo':>8} "
+            f"{'compute%':>8} {'link%':>6}")
     lines = [f"DDP, MLP {IN}-{HIDDEN}-{HIDDEN}-{CLASSES} ({rows[0]['params'] / 1e6:.1f}M params), "
              f"batch {args.batch}/rank, momentum SGD, DDP buckets {args.bucket_mb:g} MB"
              f"{' (gradients as bucket views)' if args.bucket_view else ''}, one "
@@ -137,13 +151,30 @@ def _report(rows, args) -> str:
              + (f"simulated cluster {args.cluster} at {args.bandwidth}" if args.cluster
                 else "this host") + f"; variants built in the order(s) "
              f"{', '.join(rows[0].get('build_orders', ['forward']))}, steps pooled",
-             head, "-" * len(head)]
+             f"compute%: of {COMPUTE} (the same model and step with no communication); link%: "
+             "of bytes per step over the bandwidth", head, "-" * len(head)]
+    rate = parse_rate(args.bandwidth) if args.cluster else None
     for r in rows:
-        for v in VARIANTS:
+        bound = link_bound(r["params"], r["ranks"], r.get("nodes", 1), r["batch_per_rank"], rate)
+        for v in (COMPUTE,) + VARIANTS:
+            if v not in r:
+                continue
             m = r[v]
-            ratio = m["samples_per_s"] / r["gloo"]["samples_per_s"]
+            ratio = "-" if v == COMPUTE else f"{m['samples_per_s'] / r['gloo']['samples_per_s']:.2f}x"
+            comp = f"{100 * m['samples_per_s'] / r[COMPUTE]['samples_per_s']:.0f}%" \
+                if COMPUTE in r else "-"
+            link = f"{100 * m['samples_per_s'] / bound[1]:.0f}%" if bound else "-"
             lines.append(f"{r['ranks']:>5} {v:>8} {m['step'] * 1e3:>8.1f} "
-                         f"{m['samples_per_s']:>10.0f} {ratio:>7.2f}x")
+                         f"{m['samples_per_s']:>10.0f} {ratio:>8} {comp:>8} {link:>6}")
+        if bound:
+            share = tcp_payload_share()
+            _, payload = link_bound(r["params"], r["ranks"], r["nodes"], r["batch_per_rank"],
+                                    rate * share)
+            lines.append(f"{'':>5} link bound: {bound[0] / 1e6:.1f} MB per rank per step, "
+                         f"{bound[1]:.0f} samples/s; at the TCP payload rate ({100 * share:.1f}% "
+                         f"of the link) {payload:.0f} samples/s: " +
+                         ", ".join(f"{v} {100 * r[v]['samples_per_s'] / payload:.0f}%"
+                                   for v in VARIANTS))
         lines.append(f"{'':>5} the two models' parameters: largest relative difference "
                      f"{r['agree']:.1e} (must be <= {TOLERANCE:g})")
     return "\n".join(lines)
@@ -168,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     and the optimizer; times are the slowest rank's, medians over the timed steps. Each rank
     count runs twice, the two models built in one order and then in the other (the model
     built first runs slower after a turn of the other), and the steps of both are pooled.
-    Reported: samples/s and the ratio of mpidist's to gloo's.
+    Plain torch (the same model and optimizer step on this rank's batch, no communication)
+    takes its turns too: the compute bound. Reported: samples/s, the ratio of mpidist's to
+    gloo's, the share of the compute bound, and on a simulated cluster of the link bound
+    (bytes per step over the bandwidth; again at the rate TCP's payload gets).
     """
     args = _parse(argv)
     return drive("torch_backend", args, _worker, _report,

@@ -59,6 +59,28 @@ def test_bench_torch_backend_checks_both_backends_agree(tmp_path):
     # one job per build order, their steps pooled
     assert row["build_orders"] == ["forward", "reverse"]
     assert len(row["gloo"]["times"]) == len(row["mpidist"]["times"]) == 2 * 2
+    # plain torch, the compute bound, takes its turns too
+    assert len(row["torch"]["times"]) == 2 * 2 and "compute%" in proc.stdout
+
+
+def test_bench_torch_backend_reports_the_compute_and_link_bounds():
+    import argparse
+    from mpidist.bench.torch_backend import _report
+    row = {"ranks": 2, "nodes": 2, "batch_per_rank": 32, "params": 1_000_000, "agree": 0.0,
+           "torch": {"step": 0.01, "samples_per_s": 6400.0},
+           "gloo": {"step": 0.1, "samples_per_s": 640.0},
+           "mpidist": {"step": 0.08, "samples_per_s": 800.0}}
+    args = argparse.Namespace(batch=32, bucket_mb=25.0, bucket_view=True, steps=3, algorithm="auto",
+                              cluster="2x1", bandwidth="1gbit")
+    out = _report([row], args).splitlines()
+    mine = next(x.split() for x in out if x.split()[:2] == ["2", "mpidist"])
+    assert mine[4:] == ["1.25x", "12%", "40%"]     # 800/640; of 6400/s; of 2000/s (4 MB at 1 Gbit/s)
+    line = next(x for x in out if "link bound" in x)
+    payload = 64 / (4e6 * 8 / (1e9 * 1448 / 1514))
+    assert f"{payload:.0f} samples/s: gloo {100 * 640 / payload:.0f}%, mpidist {100 * 800 / payload:.0f}%" in line
+    # on one host: no link bound, the compute share still
+    one = _report([{**row, "nodes": 1}], argparse.Namespace(**{**vars(args), "cluster": None}))
+    assert "link bound" not in one and "12%" in one
 
 
 def test_build_orders_are_pooled_and_the_worst_agreement_kept():
