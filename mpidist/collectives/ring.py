@@ -31,8 +31,7 @@ from mpidist.collectives.waits import sendrecv, waitany
 from mpidist.mpienv import segment_bytes
 from mpidist.partition import counts_displs
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "segments",
-           "segment_bytes"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "steps", "schedule", "segments"]
 
 _TAG = 301
 _WORK = ("ring.work.0", "ring.work.1", "ring.work.2")     # scratch: partial sums in flight

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from mpidist.collectives.ops import Op, reduce_into
-from mpidist.collectives.ring import segment_bytes, segments
+from mpidist.collectives.ring import segments
 from mpidist.collectives.workspace import same_view, scratch
+from mpidist.mpienv import segment_bytes
 
 __all__ = ["allreduce", "Tree", "binomial_tree", "tree_allreduce"]
 
