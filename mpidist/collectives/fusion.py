@@ -33,11 +33,14 @@ __all__ = ["Handle", "allreduce_async", "buckets", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = int(os.environ.get("MPIDIST_BUCKET_BYTES", 25 << 20))
 _ASYNC_COLOR = 0x6D7064        # the worker's communicator: one split of the caller's, cached
+_VOTES_COLOR = 0x6D7065        # and the one its jobs' checks are voted on
 
 
 class _Worker:
     def __init__(self, comm):
         self.comm = comm.split(_ASYNC_COLOR, comm.rank)
+        # the guard's votes on the jobs, posted by the caller's thread (guard.post)
+        self.votes = comm.split(_VOTES_COLOR, comm.rank)
         # its waits nap: it runs beside the caller's compute (waits.mark_patient)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpidist-allreduce",
                                        initializer=mark_patient)
@@ -122,21 +125,24 @@ def allreduce_async(buf, *, op="sum", algorithm="auto", comm=None, out=None,
     """
     c = as_communicator(comm)
     if not isinstance(buf, (list, tuple)):
-        # checked on the worker, in order with the reductions before it: a check on the
-        # caller's thread would wait behind them (across nodes, for whole buckets) and hold
-        # up the caller's compute; an argument error is raised by wait()
+        # the check's vote goes out now and the worker finishes it when the job's turn
+        # comes: it travels while the jobs before it move data, and does not hold up the
+        # caller's compute (a blocking check here would wait behind them, across nodes for
+        # whole buckets); an argument error is raised by wait()
         c, x, y, opx, name, signature, error = describe_allreduce(c, buf, op, algorithm, out,
                                                                   "allreduce_async")
-        fut = _worker(c).submit(_checked_allreduce, c, x, y, opx, name, signature, error,
-                                arrays=() if error else (x, y))
+        w = _worker(c)
+        posted = guard.post(w.votes, signature, error, record=c)
+        fut = w.submit(_checked_allreduce, posted, x, y, opx, name,
+                       arrays=() if error else (x, y))
         return Handle(buf if out is None else out, futures=[fut])
     return _allreduce_fused(c, list(buf), op, algorithm, out, bucket_bytes)
 
 
-def _checked_allreduce(wc, c, x, y, opx, name, signature, error) -> None:
-    """On the worker: the guard's check on the worker's communicator wc (recorded on the
-    caller's c), then the reduction."""
-    entry = guard.check(wc, signature, error, record=c)
+def _checked_allreduce(wc, posted, x, y, opx, name) -> None:
+    """On the worker: the guard's check posted by the caller completed (a failed one
+    explained on the worker's communicator wc), then the reduction."""
+    entry = posted.finish(explain_on=wc.comm)
     try:
         run_allreduce(wc, x, y, opx, name)
     finally:

@@ -6,11 +6,15 @@ Every call is checked, by one MPI_Allreduce of a ballot (ballot.py) holding the 
 digest d and -d under MAX: max(d) == -max(-d) exactly when every rank has the same d (a rank
 with an argument error votes a value no digest takes). A small native host allreduce rides
 in the ballot itself (check_reduce), so its check costs no message of its own. Only a
-failed check exchanges the full signatures, to say who differs. On a thread beside compute
-(collectives.waits: patient) the ranks first meet in a nonblocking barrier, waited for with
-naps, so that a worker whose peers are still in backward does not spin in the ballot's
-blocking MPI_Allreduce on the core that backward needs. Each checked call goes on
-the flight recorder (flight.py), whose watchdog ends a job whose call never finishes.
+failed check exchanges the full signatures, to say who differs. A call that a worker thread
+runs later is checked in two halves: post() starts the vote on the caller's thread, as a
+nonblocking MPI_Iallreduce of [d, -d] by MAX, and the worker finishes it when the call's turn
+comes; the vote then travels while the calls queued before it still move data, and the worker
+goes from one reduction to the next without a round trip between them. On a thread beside
+compute (collectives.waits: patient) check() is that vote, posted and finished at once, waited
+for with naps, so that a worker whose peers are still in backward does not spin in a blocking
+MPI_Allreduce on the core that backward needs. Each checked call goes on the flight recorder
+(flight.py), whose watchdog ends a job whose call never finishes.
 Modes (env MPIDIST_GUARD or set_mode()): "on" (the default; "first" and "always" are older
 names of it) or "off" (no check, no record: a rank with a bad argument then raises alone).
 See docs/ARCHITECTURE.md (collectives).
@@ -21,13 +25,14 @@ import hashlib
 import os
 
 import numpy as np
+from mpi4py import MPI
 
 from mpidist.collectives import ballot, flight, waits
 from mpidist.collectives.flight import describe
 from mpidist.errors import MismatchError, RemoteError, format_ranks
 
-__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "explain", "describe",
-           "digest"]
+__all__ = ["MODES", "set_mode", "get_mode", "check", "check_reduce", "post", "Posted", "explain",
+           "describe", "digest"]
 
 MODES = ("on", "off")
 _ALIASES = {"1": "on", "0": "off", "first": "on", "always": "on"}
@@ -83,18 +88,70 @@ def check(comm, signature: tuple | None, error: BaseException | None = None, rec
             flight.end(entry)
             raise error
         return entry
+    if waits.is_patient():                      # the same on every rank: see waits
+        return post(comm, signature, error, record).finish()
     b = comm.ballot or ballot.of(comm)          # made (and compiled) before the record
     entry = flight.begin(record, signature)    # from here on a hang is on the record
     d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
     try:
-        if waits.is_patient():                  # the same on every rank: see waits
-            waits.waitall([comm.comm.Ibarrier()])
         if not b.vote(d) or error is not None:
             explain(comm.comm, signature, error)
     except BaseException:
         flight.end(entry)
         raise
     return entry
+
+
+class Posted:
+    """A check begun by post(); finish() completes it."""
+
+    __slots__ = ("comm", "signature", "error", "entry", "votes", "request")
+
+    def __init__(self, comm, signature, error, entry, votes=None, request=None):
+        self.comm, self.signature, self.error, self.entry = comm, signature, error, entry
+        self.votes, self.request = votes, request
+
+    def finish(self, explain_on=None):
+        """Wait for the vote (with naps on a patient thread) and raise on every rank as
+        check() does; returns the call's flight entry. explain_on: the mpi4py communicator
+        on which the ranks exchange their signatures after a failed vote (default the
+        vote's own; a thread that does not post on that one names its own)."""
+        if self.request is None:                # the guard off, or one rank
+            if self.error is not None:
+                flight.end(self.entry)
+                raise self.error
+            return self.entry
+        try:
+            waits.waitall([self.request])
+            if self.votes[0] != -self.votes[1] or self.error is not None:
+                explain(self.comm.comm if explain_on is None else explain_on,
+                        self.signature, self.error)
+        except BaseException:
+            flight.end(self.entry)
+            raise
+        return self.entry
+
+
+def post(comm, signature: tuple | None, error: BaseException | None = None,
+         record=None) -> Posted:
+    """check() begun without waiting for the other ranks: the vote goes out now, as a
+    nonblocking allreduce on comm, and Posted.finish() completes it, on this thread or on
+    the one that runs the call. Collective: every rank posts its checks on comm in the same
+    order, from one thread (the communicator's only user for collectives in that time)."""
+    mode = _state["mode"] or get_mode()
+    record = comm if record is None else record
+    if mode == "off" or comm.size == 1:
+        return Posted(comm, signature, error, None if mode == "off" else
+                      flight.begin(record, signature))
+    entry = flight.begin(record, signature)
+    d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
+    votes = np.array([d, -d], np.int64)
+    try:
+        request = comm.comm.Iallreduce(MPI.IN_PLACE, votes, MPI.MAX)
+    except BaseException:
+        flight.end(entry)
+        raise
+    return Posted(comm, signature, error, entry, votes, request)
 
 
 def check_reduce(comm, signature: tuple | None, error, x, y, op):

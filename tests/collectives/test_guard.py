@@ -73,6 +73,46 @@ def test_a_single_async_call_is_checked_on_its_worker(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_queued_async_calls_are_checked_each_in_its_turn(comm):
+    # three calls queued on the worker, the middle one differing on the last rank: its
+    # vote is posted while the first still runs; it alone raises, on every rank, and the
+    # calls around it are summed
+    last = comm.rank == comm.size - 1
+    a = np.ones(1 << 16, np.float32)
+    b = np.ones(40 + last, np.float32)
+    c = np.full(50, 2.0, np.float32)
+    handles = [allreduce_async(x, comm=comm, algorithm="ring") for x in (a, b, c)]
+    assert np.all(handles[0].wait() == comm.size)
+    with pytest.raises(MismatchError, match="n=40.*n=41|n=41.*n=40"):
+        handles[1].wait()
+    assert np.all(handles[2].wait() == 2 * comm.size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_posted_check_travels_before_it_is_finished(comm):
+    # post() sends the vote at once: it completes by MPI's progress alone (here the tests
+    # of its request), and finish() then returns the call's flight entry, or raises on
+    # every rank for a vote that differs
+    votes = comm.split(7, comm.rank)
+    last = comm.rank == comm.size - 1
+    same = ("allreduce", ("n", 4))
+    first = guard.post(votes, same)
+    second = guard.post(votes, ("allreduce", ("n", 5 if last else 4)))
+    deadline = time.monotonic() + 10
+    while not MPI.Request.Testall([first.request, second.request]):
+        assert time.monotonic() < deadline, "posted votes did not complete"
+        time.sleep(1e-3)
+    entry = first.finish()
+    assert entry[1] == same and entry[3] is None        # running until the call ends
+    flight.end(entry)
+    with pytest.raises(MismatchError, match="n=4.*n=5|n=5.*n=4"):
+        second.finish()
+    calls = flight.records(votes)[-2:]
+    assert [c["end"] is not None for c in calls] == [True, True]
+    votes.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_worker_waiting_for_a_late_rank_leaves_the_core(comm):
     # rank 0 comes 0.4 s late; the others' workers wait for it in the guard's check with
     # naps, not spinning in the ballot's MPI_Allreduce (which would cost about 0.4 s of
