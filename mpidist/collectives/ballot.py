@@ -22,6 +22,13 @@ pointer in Open MPI, a 32-bit int in MPICH). Where that can not be done on some 
 MPIDIST_BALLOT=plain), every rank of the communicator takes the plain form together, agreed
 when the ballot is made: the two words [d, -d] reduced by MPI_MAX through mpi4py, carrying
 nothing.
+
+A check that a thread posts now and completes later (guard.post) votes by Vote instead: the
+same two words under MAX, by recursive doubling over point-to-point messages, the first
+round sent at once: between two ranks one exchange. Open MPI's MPI_Iallreduce of a few words
+is a binomial reduce and then a broadcast, two messages one after the other, each sent only
+when its sender's progress finds the one before; with a waiter that naps between its
+progress calls, that costs milliseconds.
 """
 from __future__ import annotations
 
@@ -36,7 +43,10 @@ from mpi4py import MPI
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-__all__ = ["CARRY", "SMALL", "LINGER", "Ballot", "of", "compile_kernels"]
+from mpidist.collectives import waits
+from mpidist.collectives.recursive_doubling import fold, real_rank
+
+__all__ = ["CARRY", "SMALL", "LINGER", "Ballot", "Vote", "of", "compile_kernels"]
 
 CARRY = 1024                    # a large record's payload bytes: allreduces up to this ride whole
 SMALL = 216                     # a small record's payload bytes (the whole record: 256 bytes)
@@ -311,3 +321,63 @@ def of(comm) -> Ballot:
     if b is None:
         b = comm.ballot = Ballot(comm)
     return b
+
+
+# -- the nonblocking vote ---------------------------------------------------------------------
+
+_VOTE_TAG = 0x6776              # the votes' messages, apart from every algorithm's tags
+
+
+class Vote:
+    """A vote of digest d on the mpi4py communicator mpi, begun at construction: the MAX of
+    [d, -d] over the ranks by recursive doubling (recursive_doubling.fold pairs the ranks
+    beyond a power of two), its first message sent at once. wait() completes it (with naps
+    on a patient thread) and returns whether every rank voted d. Collective: every rank
+    makes its votes on mpi in the same order, from one thread, and waits for them in that
+    order."""
+
+    def __init__(self, mpi, d: int):
+        self.mpi, self.rank = mpi, mpi.Get_rank()
+        self.p2, self.rem, self.me = fold(self.rank, mpi.Get_size())
+        self.value = np.array([d, -d], np.int64)
+        self.got = np.empty(2, np.int64)
+        self.sent: list = []            # (request, the buffer it sends)
+        self.mask = 1
+        if self.rank >= 2 * self.rem:
+            self.pending = self._round()
+        elif self.me < 0:               # an extra rank: its vote to its partner, who sends
+            self._send(self.rank + 1)   # the result back
+            self.pending = mpi.Irecv(self.value, self.rank + 1, _VOTE_TAG)
+        else:                           # the partner of one: its vote first
+            self.pending = mpi.Irecv(self.got, self.rank - 1, _VOTE_TAG)
+
+    def _send(self, dest: int) -> None:
+        buf = self.value.copy()         # value changes while the message may be in flight
+        self.sent.append((self.mpi.Isend(buf, dest, _VOTE_TAG), buf))
+
+    def _round(self):
+        """Post the exchange of round `mask` and return its receive; None after the last
+        (then the extra rank, if any, gets the result)."""
+        if self.mask >= self.p2:
+            if self.rank < 2 * self.rem:
+                self._send(self.rank - 1)
+            return None
+        partner = real_rank(self.me ^ self.mask, self.rem)
+        self._send(partner)
+        return self.mpi.Irecv(self.got, partner, _VOTE_TAG)
+
+    def wait(self) -> bool:
+        if self.me < 0:
+            waits.waitall([self.pending])
+        else:
+            if self.rank < 2 * self.rem:        # the extra rank's vote, then the rounds
+                waits.waitall([self.pending])
+                np.maximum(self.value, self.got, out=self.value)
+                self.pending = self._round()
+            while self.pending is not None:
+                waits.waitall([self.pending])
+                np.maximum(self.value, self.got, out=self.value)
+                self.mask <<= 1
+                self.pending = self._round()
+        waits.waitall([request for request, _ in self.sent])
+        return bool(self.value[0] == -self.value[1])

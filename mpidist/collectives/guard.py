@@ -7,13 +7,13 @@ digest d and -d under MAX: max(d) == -max(-d) exactly when every rank has the sa
 with an argument error votes a value no digest takes). A small native host allreduce rides
 in the ballot itself (check_reduce), so its check costs no message of its own. Only a
 failed check exchanges the full signatures, to say who differs. A call that a worker thread
-runs later is checked in two halves: post() starts the vote on the caller's thread, as a
-nonblocking MPI_Iallreduce of [d, -d] by MAX, and the worker finishes it when the call's turn
-comes; the vote then travels while the calls queued before it still move data, and the worker
-goes from one reduction to the next without a round trip between them. On a thread beside
-compute (collectives.waits: patient) check() is that vote, posted and finished at once, waited
-for with naps, so that a worker whose peers are still in backward does not spin in a blocking
-MPI_Allreduce on the core that backward needs. Each checked call goes on the flight recorder
+runs later is checked in two halves: post() starts the vote on the caller's thread (the same
+two words by MAX, in point-to-point messages: ballot.Vote), and the worker finishes it when the
+call's turn comes; the vote then travels while the calls queued before it still move data, and
+the worker goes from one reduction to the next without a round trip between them. On a thread
+beside compute (collectives.waits: patient) check() is that vote, posted and finished at once,
+waited for with naps, so that a worker whose peers are still in backward does not spin in a
+blocking MPI_Allreduce on the core that backward needs. Each checked call goes on the flight recorder
 (flight.py), whose watchdog ends a job whose call never finishes.
 Modes (env MPIDIST_GUARD or set_mode()): "on" (the default; "first" and "always" are older
 names of it) or "off" (no check, no record: a rank with a bad argument then raises alone).
@@ -25,7 +25,6 @@ import hashlib
 import os
 
 import numpy as np
-from mpi4py import MPI
 
 from mpidist.collectives import ballot, flight, waits
 from mpidist.collectives.flight import describe
@@ -105,25 +104,24 @@ def check(comm, signature: tuple | None, error: BaseException | None = None, rec
 class Posted:
     """A check begun by post(); finish() completes it."""
 
-    __slots__ = ("comm", "signature", "error", "entry", "votes", "request")
+    __slots__ = ("comm", "signature", "error", "entry", "vote")
 
-    def __init__(self, comm, signature, error, entry, votes=None, request=None):
+    def __init__(self, comm, signature, error, entry, vote=None):
         self.comm, self.signature, self.error, self.entry = comm, signature, error, entry
-        self.votes, self.request = votes, request
+        self.vote = vote
 
     def finish(self, explain_on=None):
         """Wait for the vote (with naps on a patient thread) and raise on every rank as
         check() does; returns the call's flight entry. explain_on: the mpi4py communicator
         on which the ranks exchange their signatures after a failed vote (default the
         vote's own; a thread that does not post on that one names its own)."""
-        if self.request is None:                # the guard off, or one rank
+        if self.vote is None:                   # the guard off, or one rank
             if self.error is not None:
                 flight.end(self.entry)
                 raise self.error
             return self.entry
         try:
-            waits.waitall([self.request])
-            if self.votes[0] != -self.votes[1] or self.error is not None:
+            if not self.vote.wait() or self.error is not None:
                 explain(self.comm.comm if explain_on is None else explain_on,
                         self.signature, self.error)
         except BaseException:
@@ -134,10 +132,10 @@ class Posted:
 
 def post(comm, signature: tuple | None, error: BaseException | None = None,
          record=None) -> Posted:
-    """check() begun without waiting for the other ranks: the vote goes out now, as a
-    nonblocking allreduce on comm, and Posted.finish() completes it, on this thread or on
-    the one that runs the call. Collective: every rank posts its checks on comm in the same
-    order, from one thread (the communicator's only user for collectives in that time)."""
+    """check() begun without waiting for the other ranks: the vote goes out now
+    (ballot.Vote, point-to-point messages on comm) and Posted.finish() completes it, on
+    this thread or on the one that runs the call. Collective: every rank posts its checks
+    on comm in the same order, from one thread, and finishes them in that order."""
     mode = _state["mode"] or get_mode()
     record = comm if record is None else record
     if mode == "off" or comm.size == 1:
@@ -145,13 +143,12 @@ def post(comm, signature: tuple | None, error: BaseException | None = None,
                       flight.begin(record, signature))
     entry = flight.begin(record, signature)
     d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
-    votes = np.array([d, -d], np.int64)
     try:
-        request = comm.comm.Iallreduce(MPI.IN_PLACE, votes, MPI.MAX)
+        vote = ballot.Vote(comm.comm, d)
     except BaseException:
         flight.end(entry)
         raise
-    return Posted(comm, signature, error, entry, votes, request)
+    return Posted(comm, signature, error, entry, vote)
 
 
 def check_reduce(comm, signature: tuple | None, error, x, y, op):

@@ -89,26 +89,38 @@ def test_queued_async_calls_are_checked_each_in_its_turn(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_posted_check_travels_before_it_is_finished(comm):
-    # post() sends the vote at once: it completes by MPI's progress alone (here the tests
-    # of its request), and finish() then returns the call's flight entry, or raises on
-    # every rank for a vote that differs
+def test_a_posted_vote_goes_out_at_once(comm):
+    # between two ranks the whole vote is one exchange, sent by post(): it completes by
+    # MPI's progress alone (here tests of its receive), before finish() is called
+    pair = comm.split(0 if comm.rank < 2 else 1, comm.rank)
+    if comm.rank < 2:
+        posted = guard.post(pair, ("allreduce", ("n", 4)))
+        deadline = time.monotonic() + 10
+        while not posted.vote.pending.Test():
+            assert time.monotonic() < deadline, "the vote did not arrive"
+            time.sleep(1e-3)
+        flight.end(posted.finish())
+    pair.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_votes_in_flight_together_each_decide_alone(comm):
+    # several votes posted before any is finished (as the worker's queued jobs), every
+    # other one differing on the last rank: finished in order, each agrees or raises on
+    # every rank, at any rank count (recursive doubling folds the ranks beyond a power of 2)
     votes = comm.split(7, comm.rank)
     last = comm.rank == comm.size - 1
-    same = ("allreduce", ("n", 4))
-    first = guard.post(votes, same)
-    second = guard.post(votes, ("allreduce", ("n", 5 if last else 4)))
-    deadline = time.monotonic() + 10
-    while not MPI.Request.Testall([first.request, second.request]):
-        assert time.monotonic() < deadline, "posted votes did not complete"
-        time.sleep(1e-3)
-    entry = first.finish()
-    assert entry[1] == same and entry[3] is None        # running until the call ends
-    flight.end(entry)
-    with pytest.raises(MismatchError, match="n=4.*n=5|n=5.*n=4"):
-        second.finish()
-    calls = flight.records(votes)[-2:]
-    assert [c["end"] is not None for c in calls] == [True, True]
+    signatures = [("allreduce", ("n", 10 + k + (last and k % 2))) for k in range(5)]
+    posted = [guard.post(votes, sig) for sig in signatures]
+    for k, p in enumerate(posted):
+        if k % 2:
+            with pytest.raises(MismatchError, match=f"n={10 + k}.*n={11 + k}|n={11 + k}.*n={10 + k}"):
+                p.finish()
+        else:
+            entry = p.finish()
+            assert entry[1] == signatures[k] and entry[3] is None   # running until it ends
+            flight.end(entry)
+    assert all(c["end"] is not None for c in flight.records(votes)[-5:])
     votes.free()
 
 
