@@ -11,7 +11,9 @@ Open MPI's TCP transport sends a message above its eager limit (64 KiB) by rende
 receiver answers before the data moves. Across a loaded link that answer queues behind the
 data flowing the other way, once per ring segment, so mpidist raises the limit to hold one
 segment (`segment_bytes`, plus room for the header) and the ring's segments go eagerly into
-receives it posted ahead; unless OMPI_MCA_btl_tcp_eager_limit is set already.
+receives it posted ahead; unless OMPI_MCA_btl_tcp_eager_limit is set already, or a segment is
+above EAGER_MOST (the transport's eager fragments are buffers of the limit's size, a pool of
+them for the process: segments that large stay with rendezvous).
 
 Both take effect only where `import mpidist` comes before MPI is initialised (mpi4py
 initialises it on `from mpi4py import MPI`).
@@ -21,12 +23,13 @@ from __future__ import annotations
 import functools
 import os
 
-__all__ = ["apply", "segment_bytes"]
+__all__ = ["apply", "segment_bytes", "EAGER_MOST"]
 
 _RDMA = "/sys/class/infiniband"
 _EAGER = "OMPI_MCA_btl_tcp_eager_limit"
 _HEADER = 1024                     # room for the MPI library's header beside one segment
 _TCP_EAGER_DEFAULT = 64 << 10      # Open MPI's own btl_tcp_eager_limit
+EAGER_MOST = 4 << 20               # the largest segment the limit is raised for
 
 
 def segment_bytes(env=None) -> int:
@@ -68,6 +71,6 @@ def apply(env=None) -> dict:
             seg = segment_bytes(env)
         except ValueError:
             seg = 0                # the ring raises, on every rank, when it runs
-        if seg + _HEADER > _TCP_EAGER_DEFAULT:
+        if _TCP_EAGER_DEFAULT < seg + _HEADER and seg <= EAGER_MOST:
             env[_EAGER] = done[_EAGER] = str(seg + _HEADER)
     return done

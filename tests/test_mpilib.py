@@ -48,4 +48,8 @@ def test_tcp_eager_limit_holds_one_ring_segment_unless_set():
     assert mpienv.apply({**base, var: "65536"}) == {}             # the user's setting stands
     assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": "4096"}) == {}  # never below Open MPI's
     assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": "lots"}) == {}  # the ring raises later
+    # above EAGER_MOST the segments stay with rendezvous: no pool of huge eager buffers
+    most = mpienv.EAGER_MOST
+    assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": str(most)}) == {var: str(most + 1024)}
+    assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": str(most + 1)}) == {}
 
