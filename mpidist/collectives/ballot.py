@@ -331,10 +331,10 @@ _VOTE_TAG = 0x6776              # the votes' messages, apart from every algorith
 class Vote:
     """A vote of digest d on the mpi4py communicator mpi, begun at construction: the MAX of
     [d, -d] over the ranks by recursive doubling (recursive_doubling.fold pairs the ranks
-    beyond a power of two), its first message sent at once. wait() completes it (with naps
-    on a patient thread) and returns whether every rank voted d. Collective: every rank
-    makes its votes on mpi in the same order, from one thread, and waits for them in that
-    order."""
+    beyond a power of two), what needs nothing received first sent at once (between two
+    ranks, all of it). wait() completes it (with naps on a patient thread) and returns
+    whether every rank voted d. Collective: every rank makes its votes on mpi in the same
+    order, from one thread, and waits for them in that order."""
 
     def __init__(self, mpi, d: int):
         self.mpi, self.rank = mpi, mpi.Get_rank()

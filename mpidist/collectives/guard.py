@@ -13,8 +13,8 @@ call's turn comes; the vote then travels while the calls queued before it still 
 the worker goes from one reduction to the next without a round trip between them. On a thread
 beside compute (collectives.waits: patient) check() is that vote, posted and finished at once,
 waited for with naps, so that a worker whose peers are still in backward does not spin in a
-blocking MPI_Allreduce on the core that backward needs. Each checked call goes on the flight recorder
-(flight.py), whose watchdog ends a job whose call never finishes.
+blocking MPI_Allreduce on the core that backward needs. Each checked call goes on the flight
+recorder (flight.py), whose watchdog ends a job whose call never finishes.
 Modes (env MPIDIST_GUARD or set_mode()): "on" (the default; "first" and "always" are older
 names of it) or "off" (no check, no record: a rank with a bad argument then raises alone).
 See docs/ARCHITECTURE.md (collectives).
