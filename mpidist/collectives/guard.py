@@ -142,7 +142,7 @@ def post(comm, signature: tuple | None, error: BaseException | None = None,
         return Posted(comm, signature, error, None if mode == "off" else
                       flight.begin(record, signature))
     entry = flight.begin(record, signature)
-    d = _ERROR if error is not None else _digests.get(signature) or digest(signature)
+    d = _ERROR if error is not None else digest(signature)
     try:
         vote = ballot.Vote(comm.comm, d)
     except BaseException:
