@@ -7,9 +7,7 @@ core from the compute it is meant to overlap (across nodes, where a bucket's tra
 takes milliseconds, it would take it for all of them). Threads that run beside compute
 call mark_patient() once; their waits then test the requests, spinning briefly and then
 napping (mpidist.backoff), so the core goes back to the compute between tests, and each
-test still moves the transfer on (it is MPI's progress call). The reverse holds too: a
-rank's own thread that waits while its worker moves data (mpidist.torch's agreement on a
-step, waiting beside the last buckets' transfers) naps, with waitall(..., nap=True).
+test still moves the transfer on (it is MPI's progress call).
 
 A communicator's collectives come from patient threads on every rank or on none (the
 allreduce worker's communicator is its own split, a torch backend group's is called by the
@@ -38,10 +36,9 @@ def is_patient() -> bool:
     return getattr(_local, "patient", False)
 
 
-def waitall(requests, *, nap: bool = False) -> None:
-    """Complete every request: MPI_Waitall, or on a patient thread (or with nap=True: a
-    thread that waits while its rank's worker moves data) Testall with naps."""
-    if not (nap or is_patient()):
+def waitall(requests) -> None:
+    """Complete every request: MPI_Waitall, or on a patient thread Testall with naps."""
+    if not is_patient():
         MPI.Request.Waitall(requests)
         return
     pause = Backoff()

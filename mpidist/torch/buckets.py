@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpidist.collectives.waits import waitall
 from mpidist.engine.distributed import make_buckets
 from mpidist.kernels.grads_cpu import all_finite, copy_finite, copy_scaled_finite
 from mpidist.torch.tensors import device_synchronize, to_numpy, torch_stream
@@ -222,9 +221,7 @@ class GradientBuckets:
         """Wait for the flags; mark the parameters no rank had a gradient for. Returns
         whether the step may update (no errors, every rank's gradients finite)."""
         if self._flag_req is not None:
-            # with naps: meanwhile the allreduce worker moves the later buckets on these
-            # cores, and MPI_Wait would spin on one of them
-            waitall([self._flag_req], nap=True)
+            self._flag_req.Wait()
             self._flag_req = None
         self.unused = self._flag[2:] == 0.0
         for i in np.flatnonzero(self.unused):   # no rank had one: None, as torch leaves it
