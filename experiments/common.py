@@ -169,6 +169,16 @@ def toml_value(v) -> str:
     return json.dumps(v)
 
 
+def _launch(n: int, argv: list[str], timeout: float, cluster, thread_level: str | None):
+    """argv on n ranks, locally through mpidist's launcher or on the cluster's first n
+    ranks; its output captured."""
+    if cluster is None:
+        from mpidist.launcher import run
+        return run(n, argv, timeout=timeout, capture_output=True, text=True, cwd=REPO)
+    return cluster.run(argv, np=n, timeout=timeout, thread_level=thread_level,
+                       capture_output=True, text=True, cwd=REPO)
+
+
 def mpidist_train(n: int, config: str, overrides: dict, out_dir: str, timeout: float,
                   cluster=None, thread_level: str | None = None) -> tuple[dict, list[dict]]:
     """Run `mpidist train CONFIG --set k=v ...` on n ranks (locally, or on the cluster's
@@ -178,12 +188,7 @@ def mpidist_train(n: int, config: str, overrides: dict, out_dir: str, timeout: f
         sets += ["--set", f"{k}={toml_value(v)}"]
     argv = [sys.executable, "-m", "mpidist", "train", os.path.join(REPO, config),
             "--out", out_dir, *sets]
-    if cluster is None:
-        from mpidist.launcher import run
-        proc = run(n, argv, timeout=timeout, capture_output=True, text=True, cwd=REPO)
-    else:
-        proc = cluster.run(argv, np=n, timeout=timeout, thread_level=thread_level,
-                           capture_output=True, text=True, cwd=REPO)
+    proc = _launch(n, argv, timeout, cluster, thread_level)
     if proc.returncode != 0:
         raise RuntimeError(f"mpidist train {config} {' '.join(sets)} failed (exit "
                            f"{proc.returncode}):\n{(proc.stderr or '')[-3000:]}")
@@ -199,12 +204,7 @@ def train_many(n: int, runs: list[tuple[str, dict, str]], timeout: float, tmp: s
         json.dump([[os.path.join(REPO, c), {"job.progress": False, "job.plot": False, **o,
                                             "job.out_dir": d}] for c, o, d in runs], fh)
     argv = [sys.executable, "-m", "experiments.common", spec]
-    if cluster is None:
-        from mpidist.launcher import run
-        proc = run(n, argv, timeout=timeout, capture_output=True, text=True, cwd=REPO)
-    else:
-        proc = cluster.run(argv, np=n, timeout=timeout, thread_level=thread_level,
-                           capture_output=True, text=True, cwd=REPO)
+    proc = _launch(n, argv, timeout, cluster, thread_level)
     if proc.returncode != 0:
         raise RuntimeError(f"training runs of {spec} failed (exit {proc.returncode}):\n"
                            f"{(proc.stderr or '')[-4000:]}")

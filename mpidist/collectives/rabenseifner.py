@@ -12,7 +12,7 @@ n gamma when p is not a power of two (p' = largest power of two <= p).
 from __future__ import annotations
 
 from mpidist.collectives.ops import Op, reduce_into
-from mpidist.collectives.recursive_doubling import fold, real_rank
+from mpidist.collectives.recursive_doubling import fold, real_rank, unfold
 from mpidist.collectives.workspace import same_view, scratch
 from mpidist.partition import counts_displs
 
@@ -72,10 +72,5 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
                          recvbuf[bounds[plo]:bounds[phi]], partner, _TAG)
             lo, hi = min(lo, plo), max(hi, phi)
             mask <<= 1
-    # 4. unfold: the folded ranks get the result
-    if r < 2 * rem:
-        if newrank < 0:
-            mpi.Recv(recvbuf, r + 1, _TAG)
-        else:
-            mpi.Send(recvbuf, r - 1, _TAG)
+    unfold(mpi, recvbuf, r, rem, _TAG)        # 4. the folded ranks get the result
     return recvbuf

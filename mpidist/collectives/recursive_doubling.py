@@ -15,7 +15,7 @@ from __future__ import annotations
 from mpidist.collectives.ops import Op, reduce_into
 from mpidist.collectives.workspace import same_view, scratch
 
-__all__ = ["allreduce", "fold"]
+__all__ = ["allreduce", "fold", "unfold"]
 
 _TAG = 501
 
@@ -33,6 +33,16 @@ def fold(rank: int, size: int) -> tuple[int, int, int]:
 def real_rank(newrank: int, rem: int) -> int:
     """The rank of participant `newrank`."""
     return 2 * newrank + 1 if newrank < rem else newrank + rem
+
+
+def unfold(mpi, buf, rank: int, rem: int, tag: int) -> None:
+    """The last phase of a folded algorithm: each odd rank among the first 2 rem sends its
+    result in buf back to the even rank folded into it."""
+    if rank < 2 * rem:
+        if rank % 2 == 0:
+            mpi.Recv(buf, rank + 1, tag)
+        else:
+            mpi.Send(buf, rank - 1, tag)
 
 
 def allreduce(comm, sendbuf, recvbuf, op: Op):
@@ -62,10 +72,5 @@ def allreduce(comm, sendbuf, recvbuf, op: Op):
                 reduce_into(op, recvbuf, tmp, recvbuf)
             mask <<= 1
         op.finalize(recvbuf, p)
-    # 3. unfold: the folded ranks get the result
-    if r < 2 * rem:
-        if newrank < 0:
-            mpi.Recv(recvbuf, r + 1, _TAG)
-        else:
-            mpi.Send(recvbuf, r - 1, _TAG)
+    unfold(mpi, recvbuf, r, rem, _TAG)        # 3. the folded ranks get the result
     return recvbuf
