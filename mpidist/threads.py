@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["ThreadSetting", "cores", "default_threads", "configure", "setting"]
+__all__ = ["ThreadSetting", "cores", "default_threads", "configure", "setting", "core_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class ThreadSetting:
 
 _SETTING: ThreadSetting | None = None
 _CHOICE: tuple[int, str] = (1, "")      # the default and its reason, once made
+_LOCAL_RANKS: list = [None]             # configure()'s node-local rank count
 
 
 def cores() -> int:
@@ -79,6 +80,7 @@ def configure(local_ranks: int) -> ThreadSetting:
     global _SETTING, _CHOICE
     if _SETTING is None:
         c = cores()
+        _LOCAL_RANKS[0] = int(local_ranks)
         _CHOICE = (default_threads(c, local_ranks), f"{c} core(s) / {local_ranks} rank(s) "
                                                     f"on the node")
         _SETTING = ThreadSetting(*_numba(*_CHOICE), *_torch(*_CHOICE))
@@ -90,3 +92,11 @@ def configure(local_ranks: int) -> ThreadSetting:
 def setting() -> ThreadSetting | None:
     """What configure() chose (None before the first world-sized Communicator)."""
     return _SETTING
+
+
+def core_per_rank() -> bool:
+    """Whether each rank on this node has a core of its own (configure()'s node-local rank
+    count at most this rank's cores): then a thread may wait by polling without pause, as
+    MPI's blocking waits do, without taking a core another rank computes on. False before
+    configure()."""
+    return _LOCAL_RANKS[0] is not None and _LOCAL_RANKS[0] <= cores()

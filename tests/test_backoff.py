@@ -43,3 +43,21 @@ def test_past_the_deadline_it_answers_false_without_sleeping(clock):
     assert wait() and wait()                      # 20 + 40 us: the second starts at 20 us
     assert not wait()                             # starts at 60 us, past the deadline
     assert clock["naps"] == pytest.approx([20e-6, 40e-6])
+
+
+def test_while_hurried_it_does_not_sleep_and_then_resumes_doubling(clock):
+    hurried = [True]
+    wait = Backoff(spins=1, hurry=lambda: hurried[0])
+    assert all(wait() for _ in range(5))
+    assert clock["naps"] == []
+    hurried[0] = False
+    assert wait() and wait()
+    assert clock["naps"] == pytest.approx([20e-6, 40e-6])
+
+
+def test_hurried_it_still_answers_false_past_the_deadline(clock):
+    wait = Backoff(deadline=clock["now"] + 1.0, spins=0, hurry=lambda: True)
+    assert wait()
+    clock["now"] += 2.0
+    assert not wait()
+    assert clock["naps"] == []

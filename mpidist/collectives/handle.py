@@ -2,9 +2,10 @@
 worker thread (fusion, the shared-memory window), a nonblocking MPI exchange (ZeRO's
 v-collectives), or a result already computed (the compressed allreduce).
 
-wait() blocks until the operation is complete and returns its result, test() says without
-blocking whether it is, and `done` becomes true once wait() has returned. A caller that
-starts several operations can then treat them alike, whatever runs them.
+wait() blocks until the operation is complete and returns its result (the workers' waits
+stop napping meanwhile: collectives.waits.hurry), test() says without blocking whether it
+is, and `done` becomes true once wait() has returned. A caller that starts several
+operations can then treat them alike, whatever runs them.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from concurrent.futures import Future
 
 from mpi4py import MPI
 
-from mpidist.collectives import flight
+from mpidist.collectives import flight, waits
 
 __all__ = ["Handle"]
 
@@ -69,8 +70,9 @@ class Handle:
         if self.done:
             return self._result
         deadline = None if timeout is None else time.monotonic() + timeout
-        for f in self._futures:
-            f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with waits.hurry():                     # the workers need not nap while this blocks
+            for f in self._futures:
+                f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._requests:
             if deadline is None:
                 MPI.Request.Waitall(self._requests)

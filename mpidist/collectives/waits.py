@@ -7,7 +7,12 @@ core from the compute it is meant to overlap (across nodes, where a bucket's tra
 takes milliseconds, it would take it for all of them). Threads that run beside compute
 call mark_patient() once; their waits then test the requests, spinning briefly and then
 napping (mpidist.backoff), so the core goes back to the compute between tests, and each
-test still moves the transfer on (it is MPI's progress call).
+test still moves the transfer on (it is MPI's progress call). Once nothing computes, the
+naps only delay the transfer: while a caller blocks on a worker's result (`hurry`), or
+while the worker's own predicate says so (mark_patient's `hurry`: a torch backend group
+after backward), the patient waits test without napping, as MPI's blocking waits would;
+only where each rank has a core of its own (threads.core_per_rank), since with ranks
+sharing cores the polling would take one another rank computes on.
 
 A communicator's collectives come from patient threads on every rank or on none (the
 allreduce worker's communicator is its own split, a torch backend group's is called by the
@@ -16,24 +21,53 @@ is patient.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from mpi4py import MPI
 
+from mpidist import threads
 from mpidist.backoff import Backoff
 
-__all__ = ["mark_patient", "is_patient", "waitall", "waitany", "sendrecv"]
+__all__ = ["mark_patient", "is_patient", "hurry", "waitall", "waitany", "sendrecv"]
 
 _local = threading.local()
+_blocked = [0]                  # callers of this process blocked in hurry()
+_blocked_lock = threading.Lock()
 
 
-def mark_patient() -> None:
-    """From now on this thread's waits poll with naps (for worker threads beside compute)."""
+def mark_patient(hurry=None) -> None:
+    """From now on this thread's waits poll with naps (for worker threads beside compute).
+    hurry: a predicate; while it is true, the naps are skipped too (nothing computes)."""
     _local.patient = True
+    _local.hurry = hurry
 
 
 def is_patient() -> bool:
     return getattr(_local, "patient", False)
+
+
+@contextlib.contextmanager
+def hurry():
+    """Around a caller's blocking wait for what patient threads compute: its core is free
+    while it blocks, so their waits skip the naps until it returns."""
+    with _blocked_lock:
+        _blocked[0] += 1
+    try:
+        yield
+    finally:
+        with _blocked_lock:
+            _blocked[0] -= 1
+
+
+def _pause() -> Backoff:
+    """The pause between a patient thread's tests."""
+    if not threads.core_per_rank():
+        return Backoff()
+    own = getattr(_local, "hurry", None)
+    if own is None:
+        return Backoff(hurry=lambda: _blocked[0] > 0)
+    return Backoff(hurry=lambda: _blocked[0] > 0 or own())
 
 
 def waitall(requests) -> None:
@@ -41,7 +75,7 @@ def waitall(requests) -> None:
     if not is_patient():
         MPI.Request.Waitall(requests)
         return
-    pause = Backoff()
+    pause = _pause()
     while not MPI.Request.Testall(requests):
         pause()
 
@@ -51,7 +85,7 @@ def waitany(requests) -> int:
     patient thread Testany with naps); the completed request becomes MPI.REQUEST_NULL."""
     if not is_patient():
         return MPI.Request.Waitany(requests)
-    pause = Backoff()
+    pause = _pause()
     while True:
         index, done = MPI.Request.Testany(requests)
         if done:

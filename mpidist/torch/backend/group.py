@@ -62,6 +62,12 @@ def _op_route(op: str, dtype: np.dtype) -> str:
                     f"integer types take SUM, PRODUCT, MIN, MAX and the bitwise ops")
 
 
+def _graph_task() -> int:
+    """The id of the backward this thread runs, -1 outside one (or where torch lacks it)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
+
+
 class Group(Movement):
     """The collectives of one process group on `comm` (an mpidist Communicator it owns).
 
@@ -77,8 +83,14 @@ class Group(Movement):
         # without MPI_THREAD_MULTIPLE everything runs inside the call, on the caller's thread;
         # with it, on a worker beside backward, whose MPI waits nap (collectives.waits): it
         # alone calls the group's collectives on comm, on every rank
+        # once backward has ended (DDP then waits for its buckets), they stop napping until
+        # the queue is empty: _hurry_after_backward
+        self._backward_over = threading.Event()
+        self._hooked_task = -1                  # the backward whose end is hooked
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch",
-                                        initializer=mark_patient) if threaded else None
+                                        initializer=mark_patient,
+                                        initargs=(self._backward_over.is_set,)) \
+            if threaded else None
         self._p2p_pool = ThreadPoolExecutor(1, thread_name_prefix="mpidist-torch-p2p") \
             if threaded else None
         # ranks sharing one node: the guard's digests and "shm" allreduces in their window
@@ -103,6 +115,8 @@ class Group(Movement):
             if queued:                          # before done: a wait()er may call again
                 with self._lock:
                     self._queued -= 1
+                    if self._queued == 0:
+                        self._backward_over.clear()
             done(error)
         pool = pool or self._pool
         queued = pool is self._pool and pool is not None
@@ -112,7 +126,23 @@ class Group(Movement):
         if queued:
             with self._lock:
                 self._queued += 1
+            self._hurry_after_backward()
         pool.submit(job)
+
+    def _hurry_after_backward(self) -> None:
+        """Called inside backward (DDP's bucket hooks): when this backward ends, nothing on
+        this rank computes until the collectives queued here are done, so from then the
+        worker's waits do not nap (collectives.waits) until its queue is empty."""
+        task = _graph_task()
+        if task == -1 or task == self._hooked_task:
+            return
+        self._hooked_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        with self._lock:
+            if self._queued:
+                self._backward_over.set()
 
     def _on_device(self, fn, args) -> None:
         """fn(*args) with CUDA tensors: float32/float64 allreduces on mpidist's device path,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mpidist.collectives.waits import hurry
 from mpidist.torch.backend.group import Group
 
 __all__ = ["ProcessGroup", "Work", "NAME"]
@@ -46,7 +47,8 @@ class Work(dist.Work):
         self._fut = fut
 
     def wait(self, timeout=None) -> bool:
-        self._fut.wait()                        # raises the collective's error
+        with hurry():                           # the worker need not nap while this blocks
+            self._fut.wait()                    # raises the collective's error
         return True
 
     def get_future(self) -> torch.futures.Future:
