@@ -35,7 +35,7 @@ class ThreadSetting:
 
 _SETTING: ThreadSetting | None = None
 _CHOICE: tuple[int, str] = (1, "")      # the default and its reason, once made
-_LOCAL_RANKS: list = [None]             # configure()'s node-local rank count
+_OWN_CORE: list = [False]               # configure(): a core per rank on this node
 
 
 def cores() -> int:
@@ -80,7 +80,7 @@ def configure(local_ranks: int) -> ThreadSetting:
     global _SETTING, _CHOICE
     if _SETTING is None:
         c = cores()
-        _LOCAL_RANKS[0] = int(local_ranks)
+        _OWN_CORE[0] = int(local_ranks) <= c
         _CHOICE = (default_threads(c, local_ranks), f"{c} core(s) / {local_ranks} rank(s) "
                                                     f"on the node")
         _SETTING = ThreadSetting(*_numba(*_CHOICE), *_torch(*_CHOICE))
@@ -96,7 +96,7 @@ def setting() -> ThreadSetting | None:
 
 def core_per_rank() -> bool:
     """Whether each rank on this node has a core of its own (configure()'s node-local rank
-    count at most this rank's cores): then a thread may wait by polling without pause, as
-    MPI's blocking waits do, without taking a core another rank computes on. False before
-    configure()."""
-    return _LOCAL_RANKS[0] is not None and _LOCAL_RANKS[0] <= cores()
+    count at most this rank's cores, decided there once): then a thread may wait by polling
+    without pause, as MPI's blocking waits do, without taking a core another rank computes
+    on. False before configure()."""
+    return _OWN_CORE[0]
