@@ -92,16 +92,22 @@ class Communicator:
             ranks_per_node = positive_int("ranks_per_node", ranks_per_node)
         self.simulated_nodes = ranks_per_node is not None
 
-        # 1. which node am I on: simulated, inherited from a parent, or the shared-memory split
+        # 1. which node am I on: simulated, inherited from a parent, or the shared-memory split;
+        #    a world-sized communicator also counts the host's ranks that share my cores
+        world = self.size == MPI.COMM_WORLD.Get_size()
+        host = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank) \
+            if world or (ranks_per_node is None and _node is None) else None
         if ranks_per_node is not None:
             node = self.rank // ranks_per_node
         elif _node is not None:
             node = _node
         else:
-            shm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-            leader = self.comm.allgather(shm.allreduce(self.rank, op=MPI.MIN))
-            shm.Free()
+            leader = self.comm.allgather(host.allreduce(self.rank, op=MPI.MIN))
             node = sorted(set(leader)).index(leader[self.rank])
+        sharing = threads.sharers(threads.affinity(), host.allgather(threads.affinity())) \
+            if world else 0
+        if host is not None:
+            host.Free()
         # 2. node numbers made dense in order of their lowest rank; sizes of all nodes
         nodes = self.comm.allgather(node)
         order = sorted(set(nodes), key=nodes.index)
@@ -117,9 +123,10 @@ class Communicator:
         inter_mpi = self.comm.Split(color=self.local_rank, key=self.rank)
         self.node_comm = Communicator._leaf(node_mpi, one_per_node=False)
         self.inter_comm = Communicator._leaf(inter_mpi, one_per_node=True)
-        if self.size == MPI.COMM_WORLD.Get_size():
-            # 4. threads per rank: the node's cores shared among its ranks (mpidist.threads)
-            threads.configure(self.size if self.simulated_nodes else self.local_size)
+        if world:
+            # 4. threads per rank: this rank's cores shared among the ranks that may run on
+            #    them (mpidist.threads)
+            threads.configure(sharing)
 
     @classmethod
     def _leaf(cls, mpi_comm: MPI.Comm, *, one_per_node: bool) -> "Communicator":

@@ -1,12 +1,14 @@
 """Intra-op threads per rank: Numba's and torch's default to the cores this rank may use
-(os.sched_getaffinity) shared among the ranks on its node.
+(os.sched_getaffinity) shared among the ranks of its host that may run on them.
 
 Left alone, every rank of a plain `mpiexec -n 2` starts one Numba thread and one torch
 thread per core, and the node runs ranks x cores threads on its cores: the fused kernels
 then wait on each other's threads. `python -m mpidist.launcher` sets NUMBA_NUM_THREADS and
 OMP_NUM_THREADS for its ranks; configure() gives every other launcher (mpiexec, srun) the
-same default, from the node-local rank count the first world-sized Communicator finds
-(its shared-memory split). What the user set wins: NUMBA_NUM_THREADS, OMP_NUM_THREADS (or
+same default, from the affinity sets of the host's ranks that the first world-sized
+Communicator gathers (its shared-memory split): unbound ranks share all the host's cores,
+ranks a launcher bound (`srun --cpu-bind`, `mpiexec --bind-to`) share only theirs. What the
+user set wins: NUMBA_NUM_THREADS, OMP_NUM_THREADS (or
 MKL_NUM_THREADS) or a torch.set_num_threads before mpidist's first communicator.
 `setting()` says what was chosen and why (mpidist info, mpidist doctor).
 """
@@ -16,7 +18,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["ThreadSetting", "cores", "default_threads", "configure", "setting", "core_per_rank"]
+__all__ = ["ThreadSetting", "cores", "affinity", "sharers", "default_threads", "configure",
+           "setting", "core_per_rank"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,7 @@ class ThreadSetting:
     torch_source: str
 
     def describe(self) -> str:
-        """One line, e.g. 'Numba 1 (2 cores / 2 ranks on the node), torch 1 (...)'."""
+        """One line, e.g. 'Numba 1 (2 core(s) / 2 rank(s) sharing them), torch 1 (...)'."""
         torch = "not imported" if self.torch is None else f"{self.torch} ({self.torch_source})"
         return f"Numba {self.numba} ({self.numba_source}), torch {torch}"
 
@@ -46,9 +49,24 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_threads(ncores: int, local_ranks: int) -> int:
-    """ncores shared among local_ranks ranks, at least one each."""
-    return max(1, int(ncores) // max(1, int(local_ranks)))
+def affinity() -> frozenset:
+    """The cores this process may run on, by number."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def sharers(mine: frozenset, every: list) -> int:
+    """How many of a host's ranks, given their affinity sets (every, this rank's included),
+    may run on a core of this rank's set (mine): all of them when none is bound, one when
+    a launcher bound each rank to cores of its own."""
+    return max(1, sum(1 for s in every if s & mine))
+
+
+def default_threads(ncores: int, ranks: int) -> int:
+    """ncores shared among ranks ranks, at least one each."""
+    return max(1, int(ncores) // max(1, int(ranks)))
 
 
 def _numba(n: int, why: str) -> tuple[int, str]:
@@ -73,16 +91,15 @@ def _torch(n: int, why: str) -> tuple[int | None, str]:
     return n, why
 
 
-def configure(local_ranks: int) -> ThreadSetting:
-    """Once per process: set the defaults for local_ranks ranks on this node (the world's
-    node-local size); later calls return the first setting (torch's part added if torch
+def configure(ranks: int) -> ThreadSetting:
+    """Once per process: set the defaults for ranks ranks sharing this rank's cores (sharers()
+    over the host's ranks); later calls return the first setting (torch's part added if torch
     was imported since)."""
     global _SETTING, _CHOICE
     if _SETTING is None:
         c = cores()
-        _OWN_CORE[0] = int(local_ranks) <= c
-        _CHOICE = (default_threads(c, local_ranks), f"{c} core(s) / {local_ranks} rank(s) "
-                                                    f"on the node")
+        _OWN_CORE[0] = int(ranks) <= c
+        _CHOICE = (default_threads(c, ranks), f"{c} core(s) / {ranks} rank(s) sharing them")
         _SETTING = ThreadSetting(*_numba(*_CHOICE), *_torch(*_CHOICE))
     elif _SETTING.torch is None and "torch" in sys.modules:     # torch came later
         _SETTING = ThreadSetting(_SETTING.numba, _SETTING.numba_source, *_torch(*_CHOICE))
@@ -95,8 +112,8 @@ def setting() -> ThreadSetting | None:
 
 
 def core_per_rank() -> bool:
-    """Whether each rank on this node has a core of its own (configure()'s node-local rank
-    count at most this rank's cores, decided there once): then a thread may wait by polling
+    """Whether this rank has a core of its own (configure()'s count of the ranks sharing its
+    cores at most their number, decided there once): then a thread may wait by polling
     without pause, as MPI's blocking waits do, without taking a core another rank computes
     on. False before configure()."""
     return _OWN_CORE[0]

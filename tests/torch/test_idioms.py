@@ -1,20 +1,16 @@
 """A torch script's own idioms on mpidist.torch: schedulers take the DistributedOptimizer,
 param_groups writes reach the fused kernels, state_dict goes through torch.save, `.grad`
-is the average (or the sum), autocast and torch.compile work, the sampler shards, and the
-threads per rank default to the node's cores shared among its ranks."""
+is the average (or the sum), autocast and torch.compile work, and the sampler shards
+(threads per rank: tests/test_threads.py)."""
 import io
-import os
 
-import numpy as np
 import pytest
-from mpi4py import MPI
 
 torch = pytest.importorskip("torch", reason="mpidist.torch needs PyTorch (the [torch] extra)")
 
 import torch.nn.functional as F                                 # noqa: E402
 
 import mpidist.torch as mt                                      # noqa: E402
-from mpidist import threads                                     # noqa: E402
 
 PER_RANK = 3
 
@@ -238,22 +234,3 @@ def test_sampler_shards_every_epoch(comm, n, drop_last):
         epochs.append(union)
     assert comm.size * len(s) < 2 or epochs[0] != epochs[1]
 
-
-def test_threads_default_to_the_node_share():
-    """Without NUMBA_NUM_THREADS, Numba's threads are this rank's cores over the node's
-    ranks; the setting says where it came from."""
-    assert threads.default_threads(2, 4) == 1 and threads.default_threads(16, 4) == 4
-    setting = threads.setting()
-    assert setting is not None
-    import numba
-    if os.environ.get("NUMBA_NUM_THREADS"):
-        assert setting.numba_source == "NUMBA_NUM_THREADS"
-        return
-    world = MPI.COMM_WORLD.Dup()
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    want = threads.default_threads(threads.cores(), node.Get_size())
-    node.Free()
-    world.Free()
-    assert numba.get_num_threads() == min(want, numba.config.NUMBA_NUM_THREADS)
-    assert "rank(s) on the node" in setting.numba_source
-    assert np.isfinite(setting.numba)

@@ -1,0 +1,84 @@
+"""Threads per rank and whether a rank has a core of its own: from the affinity sets of the
+host's ranks, so that unbound ranks share the host's cores and ranks a launcher bound to
+cores of their own keep them (mpidist.threads)."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpidist import threads
+from mpidist.launcher import mpi_vendor
+from tests.plain import plain_mpiexec
+
+
+def test_sharers_counts_the_ranks_that_may_run_on_my_cores():
+    every = [frozenset({0, 1, 2, 3})] * 4                       # unbound: all share all
+    assert threads.sharers(every[0], every) == 4
+    bound = [frozenset({i}) for i in range(4)]                  # --bind-to core
+    assert all(threads.sharers(s, bound) == 1 for s in bound)
+    blocks = [frozenset({0, 1}), frozenset({2, 3})]             # srun --cpus-per-task=2
+    assert threads.sharers(blocks[0], blocks) == 1
+    assert threads.default_threads(len(blocks[0]), threads.sharers(blocks[0], blocks)) == 2
+    pair = [frozenset({0}), frozenset({0}), frozenset({1, 2})]  # two ranks on one core
+    assert threads.sharers(pair[0], pair) == 2 and threads.sharers(pair[2], pair) == 1
+    assert threads.default_threads(2, 4) == 1 and threads.default_threads(16, 4) == 4
+
+
+def test_threads_default_to_my_cores_over_the_ranks_that_share_them(comm):
+    """Without NUMBA_NUM_THREADS, Numba's threads are this rank's cores over the host's ranks
+    that may run on them (decided at the first world-sized communicator, here `comm` if no
+    test made one before); the setting says where the number came from."""
+    setting = threads.setting()
+    assert setting is not None
+    world = MPI.COMM_WORLD.Dup()
+    host = world.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks = threads.sharers(threads.affinity(), host.allgather(threads.affinity()))
+    host.Free()
+    world.Free()
+    assert threads.core_per_rank() == (ranks <= threads.cores())
+    import numba
+    if os.environ.get("NUMBA_NUM_THREADS"):
+        assert setting.numba_source == "NUMBA_NUM_THREADS"
+        return
+    want = threads.default_threads(threads.cores(), ranks)
+    assert numba.get_num_threads() == min(want, numba.config.NUMBA_NUM_THREADS)
+    assert f"/ {ranks} rank(s) sharing them" in setting.numba_source
+    assert np.isfinite(setting.numba)
+
+
+_REPORT = """
+import json, os
+from mpidist import threads
+from mpidist.comm import Communicator
+c = Communicator()
+print("REPORT " + json.dumps([c.rank, sorted(os.sched_getaffinity(0)), threads.core_per_rank(),
+                              threads.setting().numba_source]), flush=True)
+"""
+
+
+def _reports(binding, tmp_path):
+    flag = "--bind-to" if mpi_vendor() == "openmpi" else "-bind-to"
+    rc, out = plain_mpiexec(2, [sys.executable, "-c", _REPORT], tmp_path, timeout=120,
+                            flags=[flag, binding])
+    assert rc == 0, out
+    return sorted(json.loads(line.split("REPORT ", 1)[1]) for line in out.splitlines()
+                  if "REPORT " in line)
+
+
+@pytest.mark.launcher
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding two ranks to cores of "
+                    "their own needs two cores")
+def test_plain_mpiexec_bound_or_not(tmp_path):
+    """Two ranks each bound to a core of its own have one (one Numba thread, waits that may
+    poll); unbound, they share the host's cores, and have one each where there are enough."""
+    bound = _reports("core", tmp_path)
+    assert len(bound) == 2 and set(bound[0][1]).isdisjoint(bound[1][1]), bound
+    for _, cores, own, why in bound:
+        assert own and why == f"{len(cores)} core(s) / 1 rank(s) sharing them", bound
+    free = _reports("none", tmp_path)
+    for _, cores, own, why in free:
+        assert why == f"{len(cores)} core(s) / 2 rank(s) sharing them", free
+        assert own == (len(cores) >= 2), free
