@@ -22,6 +22,9 @@ def test_sharers_counts_the_ranks_that_may_run_on_my_cores():
     blocks = [frozenset({0, 1}), frozenset({2, 3})]             # srun --cpus-per-task=2
     assert threads.sharers(blocks[0], blocks) == 1
     assert threads.default_threads(len(blocks[0]), threads.sharers(blocks[0], blocks)) == 2
+    sockets = [frozenset(range(8))] * 4 + [frozenset(range(8, 16))] * 4   # --bind-to socket
+    assert all(threads.sharers(s, sockets) == 4 for s in sockets)
+    assert threads.default_threads(8, 4) == 2                   # the 16 cores, one thread each
     pair = [frozenset({0}), frozenset({0}), frozenset({1, 2})]  # two ranks on one core
     assert threads.sharers(pair[0], pair) == 2 and threads.sharers(pair[2], pair) == 1
     assert threads.default_threads(2, 4) == 1 and threads.default_threads(16, 4) == 4
