@@ -5,7 +5,8 @@
 
 Each node is a namespace with one NIC on a shared bridge, its bandwidth shaped with `tc`, and
 a hostname of its own, so MPI and mpidist's node detection see distinct hosts; ranks start
-under Open MPI's `mpiexec` and talk TCP between nodes and shared memory within one. Root
+under the `mpiexec` on PATH (Open MPI's or MPICH's Hydra) and talk TCP between nodes and
+shared memory within one. Root
 only; nothing is added to the machine's own network namespace, and everything is torn down
 on close(). Layout and limits: SimCluster's; docs/BENCHMARKS.md.
 """
@@ -25,7 +26,7 @@ import time
 from mpidist.launcher import mpi_env, mpi_vendor, mpiexec_argv
 
 __all__ = ["SimCluster", "unavailable_reason", "parse_rate", "nic_bytes", "cleanup_stale",
-           "NIC", "SUBNET", "main"]
+           "NIC", "SUBNET", "WIRING", "main"]
 
 NIC = "sim0"                      # every node's cluster NIC
 SUBNET = "10.231.0.0/24"          # only inside the cluster's own namespaces
@@ -34,7 +35,7 @@ ENV_NODE = "MPIDIST_SIMCLUSTER_NODE"
 _serial = itertools.count()
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
 _AGENT = r"""#!/bin/sh
-# Open MPI's rsh agent for a simulated cluster: `agent [options] HOST COMMAND...` runs
+# mpiexec's ssh agent for a simulated cluster: `agent [options] HOST COMMAND...` runs
 # COMMAND in HOST's network namespace, with that node's hostname, instead of over ssh.
 while [ "${1#-}" != "$1" ]; do shift; done
 host=$1; shift
@@ -42,6 +43,31 @@ ns=$(cat "%(hosts)s/$host") || { echo "simcluster agent: unknown host $host" >&2
 exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$1"; shift; exec /bin/sh -c "$*"' \
     agent "$ns" "$@"
 """
+
+# How each MPI's mpiexec is put on the nodes: its flags before -n (from the cluster's hosts,
+# ranks per node and agent) and the environment that keeps its traffic between nodes on the
+# shaped NICs.
+WIRING = {
+    "openmpi": {
+        "flags": lambda c: ["--hostfile", c.hostfile, "--map-by", "slot"],
+        "env": lambda c: {
+            "OMPI_MCA_plm": "rsh",
+            "OMPI_MCA_plm_rsh_agent": c.agent,
+            "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
+            "OMPI_MCA_pml": "ob1",
+            "OMPI_MCA_btl": "self,vader,tcp",
+            "OMPI_MCA_btl_tcp_if_include": SUBNET,
+            "OMPI_MCA_oob_tcp_if_include": SUBNET,
+            "OMPI_MCA_osc": "sm,pt2pt",
+        },
+    },
+    "mpich": {
+        "flags": lambda c: ["-hosts", ",".join(f"{a}:{c.ranks_per_node}" for a in c.addresses),
+                            "-launcher", "ssh", "-launcher-exec", c.agent, "-iface", NIC],
+        "env": lambda c: {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NIC,
+                          "FI_PROVIDER": "tcp", "FI_TCP_IFACE": NIC},
+    },
+}
 
 
 def parse_rate(rate: str | None) -> float | None:
@@ -68,8 +94,8 @@ def _run(argv, check=True, **kwargs) -> subprocess.CompletedProcess:
 
 def unavailable_reason() -> str | None:
     """Why a simulated cluster can not be made here (None when it can): Linux, root,
-    iproute2 (ip, tc), util-linux unshare, Open MPI's mpiexec, and a namespace that
-    really gets created."""
+    iproute2 (ip, tc), util-linux unshare, Open MPI's or MPICH's mpiexec, and a namespace
+    that really gets created."""
     if not sys.platform.startswith("linux"):
         return "network namespaces need Linux"
     if os.geteuid() != 0:
@@ -79,9 +105,9 @@ def unavailable_reason() -> str | None:
         if not shutil.which(tool):
             return f"`{tool}` not found: install {pkg}"
     try:
-        if mpi_vendor() != "openmpi":
-            return "the simulated cluster launches through Open MPI's rsh agent; " \
-                   "mpiexec here is not Open MPI"
+        if mpi_vendor() not in WIRING:
+            return "the simulated cluster launches through Open MPI's or MPICH's mpiexec; " \
+                   "mpiexec here is neither"
     except RuntimeError as exc:
         return str(exc)
     probe = f"{PREFIX}{os.getpid()}probe"
@@ -143,17 +169,20 @@ class SimCluster:
       3. per-link bandwidth: a `tc tbf` token bucket on both ends of every veth (the node's
          egress and the switch's egress towards it), so each node has a full-duplex NIC of
          that rate; tbf adds no latency (`netem`, which would, is not in every kernel).
-    Ranks run in node 0's namespace with a hostfile of the node addresses; Open MPI's rsh
+    mpiexec runs in node 0's namespace with the node addresses as its hosts; its ssh
     launcher gets an agent script that runs `ip netns exec NODE` where it would run ssh.
-    Between nodes the ranks talk TCP over `sim0` (btl tcp and the runtime's oob restricted
-    to the cluster subnet), within a node shared memory (vader). Every node also gets a
-    hostname of its own (a UTS namespace).
+    Between nodes the ranks talk TCP over `sim0`, within a node shared memory (WIRING: Open
+    MPI's btl tcp and vader, its runtime's oob on the cluster subnet; MPICH's UCX or OFI
+    netmod over TCP on `sim0`, never UCX's shared memory, which would join the namespaces
+    of one machine, and its own within a node). Every node also gets a hostname of its own
+    (a UTS namespace).
 
     One-sided windows (the parameter server) between nodes go through Open MPI 4.1's osc
     pt2pt, which refuses MPI_THREAD_MULTIPLE (mpi4py's default level): run such jobs with
     thread_level="serialized" (env MPI4PY_RC_THREAD_LEVEL). osc ucx, which would take the
     windows at THREAD_MULTIPLE, left the parameter server's pushes undelivered over TCP,
     so the cluster excludes it: window creation fails with Open MPI's message instead.
+    MPICH takes them at any thread level.
 
     close() kills the processes left in the namespaces and deletes them; names carry the owner's
     pid, so `--cleanup` (and every new cluster) removes the leftovers of an owner that died.
@@ -254,17 +283,8 @@ class SimCluster:
         node's (else a fused kernel's extra threads spin where another rank computes)."""
         env = mpi_env(self.size if np is None else int(np), base)
         env.pop("MPIDIST_RANKS_PER_NODE", None)
-        env.update({
-            "OMPI_MCA_plm": "rsh",
-            "OMPI_MCA_plm_rsh_agent": self.agent,
-            "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
-            "OMPI_MCA_pml": "ob1",
-            "OMPI_MCA_btl": "self,vader,tcp",
-            "OMPI_MCA_btl_tcp_if_include": SUBNET,
-            "OMPI_MCA_oob_tcp_if_include": SUBNET,
-            "OMPI_MCA_osc": "sm,pt2pt",
-            ENV_NODE: self.name,
-        })
+        env.update(WIRING[mpi_vendor()]["env"](self))
+        env[ENV_NODE] = self.name
         if thread_level is not None:
             if thread_level not in ("single", "funneled", "serialized", "multiple"):
                 raise ValueError(f"thread_level must be single, funneled, serialized or "
@@ -281,7 +301,7 @@ class SimCluster:
                              f"{self.ranks_per_node} ranks, got {np}")
         mpiexec = mpiexec_argv(np, command)
         at = mpiexec.index("-n")
-        mpiexec[at:at] = ["--hostfile", self.hostfile, "--map-by", "slot"]
+        mpiexec[at:at] = WIRING[mpi_vendor()]["flags"](self)
         return ["ip", "netns", "exec", self.node_ns[0], "unshare", "--uts", "sh", "-c",
                 'hostname "$1"; shift; exec "$@"', "sim", self.node_ns[0], *mpiexec]
 

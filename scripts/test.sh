@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: plain pytest (one rank, plus the tests that start their own
 # mpiexec), then under mpiexec at N = 2, 3, 4, and the communication core at N = 5; then the
-# MPI-dependent tests again under MPICH (the PyPI wheels, a venv of its own) at N = 2, 3.
+# MPI-dependent tests again under MPICH (the PyPI wheels, a venv of its own) at N = 2, 3,
+# and on a simulated cluster.
 # Installs what it needs first (scripts/setup_env.sh; seconds when already set up).
 # Each run has a wall-clock limit, and each test a timeout, so a deadlock fails, never hangs.
 # Extra arguments go to every pytest run (e.g. -k allreduce, -x).
@@ -97,9 +98,11 @@ run n5 5 tests/test_comm.py tests/collectives "$@"
 # a second MPI: MPICH from PyPI, in its own cached venv (scripts/setup_env.sh MPIDIST_MPI=mpich),
 # its own Numba cache (the ballot's kernels are compiled for MPICH's 32-bit handles); the
 # collectives and the guard, the parameter server, checkpoints (the writer without MPI-IO),
-# the engine, mpidist.torch and the torch backend; and the main job through the launcher
-MPICH_TESTS=(tests/test_comm.py tests/test_mpilib.py tests/collectives tests/ps tests/checkpoint tests/engine
-             tests/torch tests/torch_backend)
+# the engine, mpidist.torch and the torch backend; the main job through the launcher; the
+# simulated cluster (Hydra's launch into the namespaces, TCP between them) and a plain
+# mpiexec's binding
+MPICH_TESTS=(tests/test_comm.py tests/test_mpilib.py tests/test_threads.py tests/collectives tests/ps
+             tests/checkpoint tests/engine tests/torch tests/torch_backend)
 if [ -n "${MPIDIST_MPICH_VENV:-}" ]; then
   (
     # shellcheck disable=SC1091
@@ -109,6 +112,7 @@ if [ -n "${MPIDIST_MPICH_VENV:-}" ]; then
       || echo "[test] the guard's ballot did not compile under MPICH" >&2
     for n in 2 3; do run "mpich/n$n" "$n" "${MPICH_TESTS[@]}" "$@"; done
     run mpich/job plain tests/engine/test_train_job.py -k main_job "$@"
+    run mpich/plain plain tests/simcluster tests/test_threads.py -m launcher "$@"
     exit $status
   ) || status=1
 else
@@ -139,6 +143,9 @@ python "$here/scripts/skip_report.py" "$out" --installed "$(IFS=,; echo "${insta
 # the MPICH stage's venv has the torch extra only
 if [ -d "$out/mpich" ]; then
   echo "--- the MPICH stage"
-  python "$here/scripts/skip_report.py" "$out/mpich" --installed torch || status=1
+  mpich_installed=torch
+  "$MPIDIST_MPICH_VENV/bin/python" -c 'import sys; from mpidist.simcluster import unavailable_reason; sys.exit(unavailable_reason() is not None)' 2>/dev/null \
+    && mpich_installed+=,netns
+  python "$here/scripts/skip_report.py" "$out/mpich" --installed "$mpich_installed" || status=1
 fi
 exit $status
