@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 
-__all__ = ["cma_permitted", "ft_supported", "unwired_launch", "mpiexec_argv", "mpi_env", "mpi_vendor", "run", "main"]
+__all__ = ["cma_permitted", "ft_supported", "unwired_launch", "mpiexec_argv", "mpi_env", "mpi_vendor",
+           "remote_launch", "REMOTE_LAUNCH", "run", "main"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,6 +187,36 @@ def mpiexec_argv(n: int, argv: list[str], ft: bool = False) -> list[str]:
     if ft:
         cmd += ["--with-ft", "ulfm"]
     return cmd + ["-n", str(int(n))] + list(argv)
+
+
+# How each MPI's mpiexec starts ranks on other hosts, given as "address:slots" (block
+# placement), through an agent (a command run where ssh would be), with the traffic between
+# hosts kept on one interface: flags before -n, and environment. MPICH's UCX may use TCP
+# only: its shared memory would join hosts that share a machine (network namespaces).
+REMOTE_LAUNCH = {
+    "openmpi": (lambda hosts, agent, nic: ["--host", hosts, "--map-by", "slot"],
+                lambda agent, nic, subnet: {
+                    "OMPI_MCA_plm": "rsh", "OMPI_MCA_plm_rsh_agent": agent,
+                    "OMPI_MCA_plm_rsh_no_tree_spawn": "1", "OMPI_MCA_pml": "ob1",
+                    "OMPI_MCA_btl": "self,vader,tcp", "OMPI_MCA_btl_tcp_if_include": subnet,
+                    "OMPI_MCA_oob_tcp_if_include": subnet, "OMPI_MCA_osc": "sm,pt2pt"}),
+    "mpich": (lambda hosts, agent, nic: ["-hosts", hosts, "-launcher", "ssh", "-launcher-exec",
+                                         agent, "-iface", nic],
+              lambda agent, nic, subnet: {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": nic,
+                                          "FI_PROVIDER": "tcp", "FI_TCP_IFACE": nic}),
+}
+
+
+def remote_launch(hosts: list[tuple[str, int]], agent: str, nic: str,
+                  subnet: str) -> tuple[list[str], dict]:
+    """(mpiexec flags before -n, environment) that start ranks on hosts [(address, ranks)]
+    through agent, talking between hosts over interface nic (its subnet, a.b.c.d/n)."""
+    vendor = mpi_vendor()
+    if vendor not in REMOTE_LAUNCH:
+        raise RuntimeError(f"starting ranks on other hosts needs Open MPI's or MPICH's "
+                           f"mpiexec; {_mpiexec()} is neither")
+    flags, env = REMOTE_LAUNCH[vendor]
+    return flags(",".join(f"{a}:{n}" for a, n in hosts), agent, nic), env(agent, nic, subnet)
 
 
 def run(n: int, argv: list[str], timeout: float | None = None, ft: bool = False,

@@ -23,10 +23,10 @@ import sys
 import tempfile
 import time
 
-from mpidist.launcher import mpi_env, mpi_vendor, mpiexec_argv
+from mpidist.launcher import REMOTE_LAUNCH, mpi_env, mpi_vendor, mpiexec_argv, remote_launch
 
 __all__ = ["SimCluster", "unavailable_reason", "parse_rate", "nic_bytes", "cleanup_stale",
-           "NIC", "SUBNET", "WIRING", "main"]
+           "NIC", "SUBNET", "main"]
 
 NIC = "sim0"                      # every node's cluster NIC
 SUBNET = "10.231.0.0/24"          # only inside the cluster's own namespaces
@@ -43,32 +43,6 @@ ns=$(cat "%(hosts)s/$host") || { echo "simcluster agent: unknown host $host" >&2
 exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$1"; shift; exec /bin/sh -c "$*"' \
     agent "$ns" "$@"
 """
-
-# How each MPI's mpiexec is put on the nodes: its flags before -n (from the cluster's hosts,
-# ranks per node and agent) and the environment that keeps its traffic between nodes on the
-# shaped NICs.
-WIRING = {
-    "openmpi": {
-        "flags": lambda c: ["--hostfile", c.hostfile, "--map-by", "slot"],
-        "env": lambda c: {
-            "OMPI_MCA_plm": "rsh",
-            "OMPI_MCA_plm_rsh_agent": c.agent,
-            "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
-            "OMPI_MCA_pml": "ob1",
-            "OMPI_MCA_btl": "self,vader,tcp",
-            "OMPI_MCA_btl_tcp_if_include": SUBNET,
-            "OMPI_MCA_oob_tcp_if_include": SUBNET,
-            "OMPI_MCA_osc": "sm,pt2pt",
-        },
-    },
-    "mpich": {
-        "flags": lambda c: ["-hosts", ",".join(f"{a}:{c.ranks_per_node}" for a in c.addresses),
-                            "-launcher", "ssh", "-launcher-exec", c.agent, "-iface", NIC],
-        "env": lambda c: {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": NIC,
-                          "FI_PROVIDER": "tcp", "FI_TCP_IFACE": NIC},
-    },
-}
-
 
 def parse_rate(rate: str | None) -> float | None:
     """'100mbit' / '1gbit' / '500kbit' -> bits per second; None or 'none' -> None."""
@@ -105,7 +79,7 @@ def unavailable_reason() -> str | None:
         if not shutil.which(tool):
             return f"`{tool}` not found: install {pkg}"
     try:
-        if mpi_vendor() not in WIRING:
+        if mpi_vendor() not in REMOTE_LAUNCH:
             return "the simulated cluster launches through Open MPI's or MPICH's mpiexec; " \
                    "mpiexec here is neither"
     except RuntimeError as exc:
@@ -171,11 +145,8 @@ class SimCluster:
          that rate; tbf adds no latency (`netem`, which would, is not in every kernel).
     mpiexec runs in node 0's namespace with the node addresses as its hosts; its ssh
     launcher gets an agent script that runs `ip netns exec NODE` where it would run ssh.
-    Between nodes the ranks talk TCP over `sim0`, within a node shared memory (WIRING: Open
-    MPI's btl tcp and vader, its runtime's oob on the cluster subnet; MPICH's UCX or OFI
-    netmod over TCP on `sim0`, never UCX's shared memory, which would join the namespaces
-    of one machine, and its own within a node). Every node also gets a hostname of its own
-    (a UTS namespace).
+    Between nodes the ranks talk TCP over `sim0`, within a node shared memory
+    (launcher.remote_launch). Every node also gets a hostname of its own (a UTS namespace).
 
     One-sided windows (the parameter server) between nodes go through Open MPI 4.1's osc
     pt2pt, which refuses MPI_THREAD_MULTIPLE (mpi4py's default level): run such jobs with
@@ -264,9 +235,6 @@ class SimCluster:
             self._shape(self.hub, port)
             with open(os.path.join(hosts, addr), "w") as fh:
                 fh.write(ns + "\n")
-        self.hostfile = os.path.join(self.workdir, "hostfile")
-        with open(self.hostfile, "w") as fh:
-            fh.writelines(f"{a} slots={self.ranks_per_node}\n" for a in self.addresses)
         self.agent = os.path.join(self.workdir, "agent.sh")
         with open(self.agent, "w") as fh:
             fh.write(_AGENT % {"hosts": hosts})
@@ -283,7 +251,7 @@ class SimCluster:
         node's (else a fused kernel's extra threads spin where another rank computes)."""
         env = mpi_env(self.size if np is None else int(np), base)
         env.pop("MPIDIST_RANKS_PER_NODE", None)
-        env.update(WIRING[mpi_vendor()]["env"](self))
+        env.update(self._remote()[1])
         env[ENV_NODE] = self.name
         if thread_level is not None:
             if thread_level not in ("single", "funneled", "serialized", "multiple"):
@@ -301,9 +269,13 @@ class SimCluster:
                              f"{self.ranks_per_node} ranks, got {np}")
         mpiexec = mpiexec_argv(np, command)
         at = mpiexec.index("-n")
-        mpiexec[at:at] = WIRING[mpi_vendor()]["flags"](self)
+        mpiexec[at:at] = self._remote()[0]
         return ["ip", "netns", "exec", self.node_ns[0], "unshare", "--uts", "sh", "-c",
                 'hostname "$1"; shift; exec "$@"', "sim", self.node_ns[0], *mpiexec]
+
+    def _remote(self) -> tuple[list[str], dict]:
+        return remote_launch([(a, self.ranks_per_node) for a in self.addresses], self.agent,
+                             NIC, SUBNET)
 
     def run(self, command: list[str], *, np: int | None = None, timeout: float | None = None,
             env: dict | None = None, thread_level: str | None = None,
