@@ -6,9 +6,9 @@
 Each node is a namespace with one NIC on a shared bridge, its bandwidth shaped with `tc`, and
 a hostname of its own, so MPI and mpidist's node detection see distinct hosts; ranks start
 under the `mpiexec` on PATH (Open MPI's or MPICH's Hydra) and talk TCP between nodes and
-shared memory within one. Root
-only; nothing is added to the machine's own network namespace, and everything is torn down
-on close(). Layout and limits: SimCluster's; docs/BENCHMARKS.md.
+shared memory within one. Root only; nothing is added to the machine's own network
+namespace, and everything is torn down on close(). Layout and limits: SimCluster's;
+docs/BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ ns=$(cat "%(hosts)s/$host") || { echo "simcluster agent: unknown host $host" >&2
 exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$1"; shift; exec /bin/sh -c "$*"' \
     agent "$ns" "$@"
 """
+
 
 def parse_rate(rate: str | None) -> float | None:
     """'100mbit' / '1gbit' / '500kbit' -> bits per second; None or 'none' -> None."""

@@ -8,8 +8,8 @@ OMP_NUM_THREADS for its ranks; configure() gives every other launcher (mpiexec, 
 same default, from the affinity sets of the host's ranks that the first world-sized
 Communicator gathers (its shared-memory split): unbound ranks share all the host's cores,
 ranks a launcher bound (`srun --cpu-bind`, `mpiexec --bind-to`) share only theirs. What the
-user set wins: NUMBA_NUM_THREADS, OMP_NUM_THREADS (or
-MKL_NUM_THREADS) or a torch.set_num_threads before mpidist's first communicator.
+user set wins: NUMBA_NUM_THREADS, OMP_NUM_THREADS (or MKL_NUM_THREADS) or a
+torch.set_num_threads before mpidist's first communicator.
 `setting()` says what was chosen and why (mpidist info, mpidist doctor).
 """
 from __future__ import annotations
@@ -41,20 +41,17 @@ _CHOICE: tuple[int, str] = (1, "")      # the default and its reason, once made
 _OWN_CORE: list = [False]               # configure(): a core per rank on this node
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def affinity() -> frozenset:
     """The cores this process may run on, by number."""
     try:
         return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return frozenset(range(os.cpu_count() or 1))
+
+
+def cores() -> int:
+    """How many cores this process may run on."""
+    return len(affinity())
 
 
 def sharers(mine: frozenset, every: list) -> int:
