@@ -57,8 +57,11 @@ import json, os
 from mpidist import threads
 from mpidist.comm import Communicator
 c = Communicator()
-print("REPORT " + json.dumps([c.rank, sorted(os.sched_getaffinity(0)), threads.core_per_rank(),
-                              threads.setting().numba_source]), flush=True)
+mine = [c.rank, sorted(os.sched_getaffinity(0)), threads.core_per_rank(),
+        threads.setting().numba_source]
+every = c.comm.gather(mine)
+if c.rank == 0:                 # one line from one rank: the ranks' outputs may interleave
+    print("REPORT " + json.dumps(every), flush=True)
 """
 
 
@@ -67,8 +70,7 @@ def _reports(binding, tmp_path):
     rc, out = plain_mpiexec(2, [sys.executable, "-c", _REPORT], tmp_path, timeout=120,
                             flags=[flag, binding])
     assert rc == 0, out
-    return sorted(json.loads(line.split("REPORT ", 1)[1]) for line in out.splitlines()
-                  if "REPORT " in line)
+    return json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:])
 
 
 @pytest.mark.launcher
