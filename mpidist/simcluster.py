@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from mpidist import threads
 from mpidist.launcher import REMOTE_LAUNCH, mpi_env, mpi_vendor, mpiexec_argv, remote_launch
 
 __all__ = ["SimCluster", "unavailable_reason", "parse_rate", "nic_bytes", "cleanup_stale",
@@ -244,16 +245,19 @@ class SimCluster:
     # ------------------------------------------------------------------ running
     def env(self, base: dict | None = None, thread_level: str | None = None,
             np: int | None = None) -> dict:
-        """The launch environment: mpidist's (launcher.mpi_env) plus Open MPI's wiring for
+        """The launch environment: mpidist's (launcher.mpi_env) plus the MPI's wiring for
         the namespaces; real node detection (MPIDIST_RANKS_PER_NODE removed).
         thread_level: mpi4py's MPI_Init_thread level ("serialized" for one-sided windows
         across nodes), default mpi4py's own. np: the ranks started (default all). The nodes
         share this machine's cores, so threads per rank are set for all np ranks, not one
-        node's (else a fused kernel's extra threads spin where another rank computes)."""
+        node's (else a fused kernel's extra threads spin where another rank computes), and
+        every rank counts np ranks on its cores (threads.ENV_MACHINE_RANKS: its waits nap
+        where they outnumber the cores)."""
         env = mpi_env(self.size if np is None else int(np), base)
         env.pop("MPIDIST_RANKS_PER_NODE", None)
         env.update(self._remote()[1])
         env[ENV_NODE] = self.name
+        env[threads.ENV_MACHINE_RANKS] = str(self.size if np is None else int(np))
         if thread_level is not None:
             if thread_level not in ("single", "funneled", "serialized", "multiple"):
                 raise ValueError(f"thread_level must be single, funneled, serialized or "

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["ThreadSetting", "cores", "affinity", "sharers", "default_threads", "configure",
-           "setting", "core_per_rank"]
+           "setting", "core_per_rank", "ENV_MACHINE_RANKS"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,10 @@ class ThreadSetting:
         torch = "not imported" if self.torch is None else f"{self.torch} ({self.torch_source})"
         return f"Numba {self.numba} ({self.numba_source}), torch {torch}"
 
+
+# ranks on this machine's cores where MPI sees them as several hosts (the simulated
+# cluster's nodes share one machine): at least that many share each rank's cores
+ENV_MACHINE_RANKS = "MPIDIST_MACHINE_RANKS"
 
 _SETTING: ThreadSetting | None = None
 _CHOICE: tuple[int, str] = (1, "")      # the default and its reason, once made
@@ -94,6 +98,7 @@ def configure(ranks: int) -> ThreadSetting:
     was imported since)."""
     global _SETTING, _CHOICE
     if _SETTING is None:
+        ranks = max(int(ranks), int(os.environ.get(ENV_MACHINE_RANKS) or 0))
         c = cores()
         _OWN_CORE[0] = int(ranks) <= c
         _CHOICE = (default_threads(c, ranks), f"{c} core(s) / {ranks} rank(s) sharing them")

@@ -65,10 +65,10 @@ if c.rank == 0:                 # one line from one rank: the ranks' outputs may
 """
 
 
-def _reports(binding, tmp_path):
+def _reports(binding, tmp_path, n=2, env=()):
     flag = "--bind-to" if mpi_vendor() == "openmpi" else "-bind-to"
-    rc, out = plain_mpiexec(2, [sys.executable, "-c", _REPORT], tmp_path, timeout=120,
-                            flags=[flag, binding])
+    rc, out = plain_mpiexec(n, ["env", *env, sys.executable, "-c", _REPORT], tmp_path,
+                            timeout=120, flags=[flag, binding])
     assert rc == 0, out
     return json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:])
 
@@ -87,3 +87,15 @@ def test_plain_mpiexec_bound_or_not(tmp_path):
     for _, cores, own, why in free:
         assert why == f"{len(cores)} core(s) / 2 rank(s) sharing them", free
         assert own == (len(cores) >= 2), free
+
+
+@pytest.mark.launcher
+def test_ranks_that_mpi_sees_on_other_hosts_of_this_machine_count(tmp_path):
+    """MPIDIST_MACHINE_RANKS (the simulated cluster's nodes share one machine): a rank MPI
+    sees alone on its host still counts that many ranks on its cores."""
+    alone = _reports("none", tmp_path, n=1)
+    c = len(alone[0][1])
+    assert alone[0][2] and alone[0][3] == f"{c} core(s) / 1 rank(s) sharing them", alone
+    crowded = _reports("none", tmp_path, n=1, env=[f"MPIDIST_MACHINE_RANKS={c + 1}"])
+    assert not crowded[0][2], crowded
+    assert crowded[0][3] == f"{c} core(s) / {c + 1} rank(s) sharing them", crowded

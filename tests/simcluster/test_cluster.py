@@ -52,13 +52,16 @@ def test_without_root_start_fails_with_the_reason(monkeypatch):
 
 def test_threads_per_rank_share_the_cores_among_every_node_s_ranks(monkeypatch):
     """The simulated nodes run on this machine's cores: Numba's threads per rank are the
-    cores over all the ranks started, not over one node's."""
+    cores over all the ranks started, not over one node's, and each rank counts them all on
+    its cores."""
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
     cluster = SimCluster(2, 1)
     cluster.agent = "agent.sh"              # what start() writes; env() only names it
     assert cluster.env()["NUMBA_NUM_THREADS"] == "2"
     assert cluster.env(np=1)["NUMBA_NUM_THREADS"] == "4"
+    assert cluster.env()["MPIDIST_MACHINE_RANKS"] == "2"         # each rank: 2 on its cores
+    assert cluster.env(np=1)["MPIDIST_MACHINE_RANKS"] == "1"
     cluster = SimCluster(2, 4)
     cluster.agent = "agent.sh"
     assert cluster.env()["NUMBA_NUM_THREADS"] == "1"
