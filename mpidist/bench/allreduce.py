@@ -15,8 +15,6 @@ machine's own drift (bench.steadiness) is sampled around each size. Writes allre
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 import textwrap
@@ -28,6 +26,7 @@ from mpi4py import MPI
 
 from mpidist.bench._driver import (add_cluster_options, launched, on_cluster,
                                    without_cluster_options)
+from mpidist.bench.rows import write_rows
 from mpidist.bench.steadiness import Steadiness
 from mpidist.collectives import ALGORITHMS, allreduce, flight, select
 from mpidist.collectives.core import prepare_allreduce
@@ -234,18 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     if c.rank == 0:
         _summary(rows, p)
         print(f"  {steadiness.line()}")
-        os.makedirs(args.out, exist_ok=True)
-        base = os.path.join(args.out, "allreduce")
-        with open(base + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        with open(base + ".json", "w") as f:
-            json.dump({"header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
-                       "load_before": load, "load_after": os.getloadavg()[0],
-                       "dispatch_s": dispatch, "steadiness": steadiness.summary(),
-                       "auto": select.describe(c), "rows": rows}, f,
-                      indent=1)
+        base = write_rows(args.out, "allreduce", rows, {
+            "header": header, "ranks": p, "nodes": c.num_nodes, "seed": seed,
+            "load_before": load, "load_after": os.getloadavg()[0], "dispatch_s": dispatch,
+            "steadiness": steadiness.summary(), "auto": select.describe(c)})
         _plot(rows, base + ".png", header)
         print(f"wrote {base}.csv, .json, .png")
     ok = all(r["ok"] for r in rows)

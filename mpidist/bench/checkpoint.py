@@ -9,8 +9,6 @@ What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import shutil
 import statistics
@@ -18,6 +16,7 @@ import time
 
 import numpy as np
 
+from mpidist.bench.rows import write_rows
 from mpidist.checkpoint import CheckpointManager, open_checkpoint
 from mpidist.checkpoint.writer import collective_io, fsync_path
 from mpidist.comm import default_communicator
@@ -152,13 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"write bandwidth / plain numpy.tofile bandwidth: {ratio_best:.2f} (best), "
           f"{ratio_med:.2f} (median), {ratio_pairs:.2f} (median of back-to-back pairs); "
           f"target >= 0.7")
-    with open(os.path.join(a.out, "checkpoint.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(a.out, "checkpoint.json"), "w") as fh:
-        json.dump({"ranks": comm.size, "bytes": nbytes, "tensors": len(state),
-                   "collective": collective, "repeat": a.repeat, "times": times,
-                   "fsync": not a.no_fsync, "ratio_best": ratio_best, "ratio_median": ratio_med,
-                   "ratio_pairs_median": ratio_pairs, "rows": rows}, fh, indent=1)
+    write_rows(a.out, "checkpoint", rows, {
+        "ranks": comm.size, "bytes": nbytes, "tensors": len(state), "collective": collective,
+        "repeat": a.repeat, "times": times, "fsync": not a.no_fsync, "ratio_best": ratio_best,
+        "ratio_median": ratio_med, "ratio_pairs_median": ratio_pairs})
     return 0

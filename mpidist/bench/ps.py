@@ -8,14 +8,13 @@ What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.bench.rows import write_rows
 from mpidist.collectives import allreduce
 from mpidist.comm import Communicator, default_communicator, mpi_library
 from mpidist.ps import ParameterServer, Straggler
@@ -271,17 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   {'model':>7} | {'persistent':>10} | {'rotating':>8}")
         for r in strag:
             print(f"   {r['model']:>7} | {r['persistent']:10.3f} | {r['rotating']:8.3f}")
-        os.makedirs(args.out, exist_ok=True)
-        base = os.path.join(args.out, "ps")
-        with open(base + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        with open(base + ".json", "w") as f:
-            json.dump({"header": header, "ranks": P, "mb": args.mb,
-                       "alpha_beta": {"rma": [a_rma, b_rma], "p2p": [a_p2p, b_p2p]},
-                       "throughput": through, "scaling": rows, "stragglers": strag},
-                      f, indent=1)
+        base = write_rows(args.out, "ps", rows, {
+            "header": header, "ranks": P, "mb": args.mb,
+            "alpha_beta": {"rma": [a_rma, b_rma], "p2p": [a_p2p, b_p2p]},
+            "throughput": through, "stragglers": strag})
         _plot(rows, base + ".png", f"{library.split(',')[0]}: {P} ranks, {args.mb:g} MiB model",
               args.servers)
         print(f"wrote {base}.csv, .json, .png")

@@ -8,8 +8,6 @@ What it measures, and how: main()'s docstring. See docs/BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import os
 import time
@@ -18,6 +16,7 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from mpidist.bench.rows import write_rows
 from mpidist.comm import Communicator, mpi_library
 from mpidist.engine.distributed import DistributedOptimizer
 from mpidist.nn import MLP, SoftmaxCrossEntropy, materialize
@@ -207,13 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out, rows, args, n) -> None:
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "zero.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(out, "zero.json"), "w") as fh:
-        json.dump({"args": vars(args), "ranks": n, "rows": rows}, fh, indent=1)
+    write_rows(out, "zero", rows, {"args": vars(args), "ranks": n})
     import matplotlib                  # slow to import, and only rank 0 plots
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
