@@ -13,7 +13,10 @@ data flowing the other way, once per ring segment, so mpidist raises the limit t
 segment (`segment_bytes`, plus room for the header) and the ring's segments go eagerly into
 receives it posted ahead; unless OMPI_MCA_btl_tcp_eager_limit is set already, or a segment is
 above EAGER_MOST (the transport's eager fragments are buffers of the limit's size, a pool of
-them for the process: segments that large stay with rendezvous).
+them for the process: segments that large stay with rendezvous). UCX (MPICH's transport
+between nodes, and Open MPI's where it picks UCX) answers its rendezvous the same way, so on
+a host with no RDMA device, where its traffic between nodes is TCP, its threshold
+(UCX_RNDV_THRESH) is raised to one segment too, unless set already.
 
 Both take effect only where `import mpidist` comes before MPI is initialised (mpi4py
 initialises it on `from mpi4py import MPI`).
@@ -27,6 +30,7 @@ __all__ = ["apply", "segment_bytes", "EAGER_MOST"]
 
 _RDMA = "/sys/class/infiniband"
 _EAGER = "OMPI_MCA_btl_tcp_eager_limit"
+_UCX_RNDV = "UCX_RNDV_THRESH"
 _HEADER = 1024                     # room for the MPI library's header beside one segment
 _TCP_EAGER_DEFAULT = 64 << 10      # Open MPI's own btl_tcp_eager_limit
 EAGER_MOST = 4 << 20               # the largest segment the limit is raised for
@@ -66,11 +70,12 @@ def apply(env=None) -> dict:
         rdma = False
     if not rdma and "OMPI_MCA_osc" not in env:
         env["OMPI_MCA_osc"] = done["OMPI_MCA_osc"] = "^ucx"
-    if _EAGER not in env:
-        try:
-            seg = segment_bytes(env)
-        except ValueError:
-            seg = 0                # the ring raises, on every rank, when it runs
-        if _TCP_EAGER_DEFAULT < seg + _HEADER and seg <= EAGER_MOST:
-            env[_EAGER] = done[_EAGER] = str(seg + _HEADER)
+    try:
+        seg = segment_bytes(env)
+    except ValueError:
+        seg = 0                    # the ring raises, on every rank, when it runs
+    if _TCP_EAGER_DEFAULT < seg + _HEADER and seg <= EAGER_MOST:
+        for var, where in ((_EAGER, True), (_UCX_RNDV, not rdma)):
+            if where and var not in env:
+                env[var] = done[var] = str(seg + _HEADER)
     return done

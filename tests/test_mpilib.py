@@ -28,7 +28,7 @@ def test_ulfm_switch_is_read_from_the_library_s_own_variable():
 
 def test_osc_ucx_is_left_out_only_without_an_rdma_device(monkeypatch, tmp_path):
     from mpidist import mpienv
-    mine = {"OMPI_MCA_btl_tcp_eager_limit": "1"}
+    mine = {"OMPI_MCA_btl_tcp_eager_limit": "1", "UCX_RNDV_THRESH": "auto"}
     monkeypatch.setattr(mpienv, "_RDMA", str(tmp_path / "none"))
     assert mpienv.apply(dict(mine)) == {"OMPI_MCA_osc": "^ucx"}
     assert mpienv.apply({"OMPI_MCA_osc": "ucx", **mine}) == {}   # the user's setting stands
@@ -38,8 +38,16 @@ def test_osc_ucx_is_left_out_only_without_an_rdma_device(monkeypatch, tmp_path):
     assert mpienv.apply(dict(mine)) == {}
 
 
-def test_tcp_eager_limit_holds_one_ring_segment_unless_set():
+def _rdma(monkeypatch, tmp_path, present):
     from mpidist import mpienv
+    if present:
+        (tmp_path / "ib" / "mlx5_0").mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(mpienv, "_RDMA", str(tmp_path / ("ib" if present else "none")))
+
+
+def test_tcp_eager_limit_holds_one_ring_segment_unless_set(monkeypatch, tmp_path):
+    from mpidist import mpienv
+    _rdma(monkeypatch, tmp_path, True)          # UCX's threshold: the next test
     var = "OMPI_MCA_btl_tcp_eager_limit"
     base = {"OMPI_MCA_osc": "ucx"}
     assert mpienv.apply(dict(base))[var] == str((1 << 20) + 1024)
@@ -53,3 +61,18 @@ def test_tcp_eager_limit_holds_one_ring_segment_unless_set():
     assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": str(most)}) == {var: str(most + 1024)}
     assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": str(most + 1)}) == {}
 
+
+def test_ucx_rendezvous_threshold_holds_one_segment_only_where_ucx_runs_on_tcp(monkeypatch,
+                                                                                tmp_path):
+    """No RDMA device: UCX's traffic between nodes is TCP, its rendezvous answer queues behind
+    the data like Open MPI's, and the threshold holds a segment; with one, UCX's zero-copy
+    rendezvous stays."""
+    from mpidist import mpienv
+    var, seg = "UCX_RNDV_THRESH", str((1 << 20) + 1024)
+    base = {"OMPI_MCA_osc": "ucx", "OMPI_MCA_btl_tcp_eager_limit": "65536"}
+    _rdma(monkeypatch, tmp_path, False)
+    assert mpienv.apply(dict(base)) == {var: seg}
+    assert mpienv.apply({**base, var: "8kb"}) == {}                 # the user's setting stands
+    assert mpienv.apply({**base, "MPIDIST_SEGMENT_BYTES": str(mpienv.EAGER_MOST + 1)}) == {}
+    _rdma(monkeypatch, tmp_path, True)
+    assert mpienv.apply(dict(base)) == {}
