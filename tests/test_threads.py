@@ -39,6 +39,7 @@ def test_threads_default_to_my_cores_over_the_ranks_that_share_them(comm):
     world = MPI.COMM_WORLD.Dup()
     host = world.Split_type(MPI.COMM_TYPE_SHARED)
     ranks = threads.sharers(threads.affinity(), host.allgather(threads.affinity()))
+    ranks = max(ranks, int(os.environ.get(threads.ENV_MACHINE_RANKS) or 0))
     host.Free()
     world.Free()
     assert threads.core_per_rank() == (ranks <= threads.cores())
