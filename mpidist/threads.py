@@ -18,6 +18,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from mpidist.checks import positive_int
+
 __all__ = ["ThreadSetting", "cores", "affinity", "sharers", "default_threads", "configure",
            "setting", "core_per_rank", "ENV_MACHINE_RANKS"]
 
@@ -98,7 +100,8 @@ def configure(ranks: int) -> ThreadSetting:
     was imported since)."""
     global _SETTING, _CHOICE
     if _SETTING is None:
-        ranks = max(int(ranks), int(os.environ.get(ENV_MACHINE_RANKS) or 0))
+        if os.environ.get(ENV_MACHINE_RANKS):
+            ranks = max(int(ranks), positive_int(ENV_MACHINE_RANKS, os.environ[ENV_MACHINE_RANKS]))
         c = cores()
         _OWN_CORE[0] = int(ranks) <= c
         _CHOICE = (default_threads(c, ranks), f"{c} core(s) / {ranks} rank(s) sharing them")
