@@ -18,6 +18,13 @@ what it has (zero if none, as in DDP). While `sync` is off (DistributedOptimizer
 the hooks stand aside and torch accumulates as it always does; the next synced pass
 counts all of it.
 
+Gradients are read by the reduction from the moment their bucket launches, so nothing may
+change them before synchronize(): a change in place (clip_grad_norm_ straight after
+backward, as in a DDP script) or a `.grad` replaced after backward is found
+there (the flat buffer's version counter, which torch bumps on every in-place write to a
+view, against its value after the last hook; the views' identity) and raised on every rank,
+with the step not taken, instead of reducing half-changed gradients and parting the ranks.
+
 Averages: each gradient is multiplied by `scale` (1/size for an average) as it becomes
 final, in the pass that copies it into the buffer where there is one, so the reduction's
 sum is the average itself and no pass over the buffer follows. A parameter with no
@@ -95,6 +102,7 @@ class GradientBuckets:
         self._synced = None
         self._flag, self._flag_req = None, None
         self._errors: list[str] = []
+        self._version = None                # the buffer's version after the last hook
         self.t_launch = 0.0
         self.launched_at: list[float] = []      # per bucket: when it could launch (perf_counter)
 
@@ -102,6 +110,17 @@ class GradientBuckets:
     def synced(self) -> bool:
         """Whether this round's buckets have been waited for (synchronize() ran)."""
         return self._synced is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether buckets of this round are launched and not yet waited for."""
+        return bool(self._handles) and self._synced is None
+
+    @property
+    def backward_done(self) -> bool:
+        """Whether every bucket of this round is launched (every gradient final) and not yet
+        waited for."""
+        return len(self._handles) == len(self.buckets) and self._synced is None
 
     def remove(self) -> None:
         """Detach from the model's backward."""
@@ -136,7 +155,30 @@ class GradientBuckets:
         def hook(p):
             if self.sync:
                 self._grad_final(i, p, from_hook=True)
+                self._version = self.storage.tgrads._version
         return hook
+
+    def _touched(self) -> str | None:
+        """What changed the gradients after backward and before synchronize(), or None."""
+        if self._version is None:
+            return None
+        changed = [self.layout.names[i] for i, (p, g) in enumerate(zip(self.params,
+                                                                        self.storage.gviews))
+                   if self._passes[i] >= self.passes_per_step and
+                   (p.grad is None or p.grad.data_ptr() != g.data_ptr())]
+        if changed:
+            what = f"`.grad` of {changed[0]!r}" + (f" and {len(changed) - 1} more"
+                                                    if len(changed) > 1 else "") + " replaced"
+        elif self.storage.tgrads._version != self._version:
+            what = "written in place"
+        else:
+            return None
+        return (f"the gradients were changed after backward() and before synchronize() "
+                f"({what}): they are reduced while backward runs, so until "
+                f"opt.synchronize() (or opt.step()) returns `.grad` is still being read. "
+                f"Call opt.synchronize() first, then clip_grad_norm_ or any other change of "
+                f"the gradients (GradScaler.unscale_(opt) waits by itself); this step is not "
+                f"taken")
 
     def _grad_final(self, i: int, p, from_hook: bool) -> None:
         """A backward pass has finished p's gradient (or synchronize() finalises it)."""
@@ -240,6 +282,9 @@ class GradientBuckets:
             if settle:
                 self.exchange.settle()
             return self._synced
+        touched = self._touched()
+        if touched is not None:
+            self._errors.append(touched)
         for i, p in enumerate(self.params):
             if self._passes[i] < self.passes_per_step:
                 self._grad_final(i, p, from_hook=False)

@@ -105,7 +105,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     and are only broadcast. Writes into `param_groups` reach the next step.
     """
 
-    param_groups = delegated("param_groups")
+    _groups = delegated("param_groups")
     state = delegated("state")
     defaults = delegated("defaults")
 
@@ -183,6 +183,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     bcast_tensor(c, b.data, 0)
             if not self.zero:                # ZeRO: each rank holds its own shard's state
                 broadcast_optimizer_state(self.optimizer, 0, c)
+
+    @property
+    def param_groups(self):
+        """torch's param_groups (the wrapped optimizer's own). Read after backward, before
+        synchronize(), they wait for the reduction first (collective, once per step, so a
+        read on some ranks only is matched by the others' step()): GradScaler.unscale_(opt),
+        which reaches the gradients through them, sees the average, as after DDP's backward."""
+        buckets = self.__dict__.get("buckets")
+        if buckets is not None and buckets.backward_done:
+            buckets.synchronize()
+        return self._groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._groups = value
 
     @property
     def flat_params(self):
@@ -328,7 +343,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients. set_to_none: `.grad` becomes None until the next backward
-        puts it back into the flat buffer (as torch's default); else the views are zeroed."""
+        puts it back into the flat buffer (as torch's default); else the views are zeroed.
+        After a backward whose step is skipped, the buckets it launched are waited for
+        first (collective, as step() would be): the ranks still read this rank's buffer."""
+        if self.buckets.in_flight:
+            self.buckets.synchronize()
         if set_to_none:
             for p in self.params:
                 p.grad = None

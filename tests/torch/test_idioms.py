@@ -1,6 +1,7 @@
 """A torch script's own idioms on mpidist.torch: schedulers take the DistributedOptimizer,
 param_groups writes reach the fused kernels, state_dict goes through torch.save, `.grad`
-is the average (or the sum), autocast and torch.compile work, and the sampler shards
+is the average (or the sum), a gradient changed before synchronize() fails on every rank,
+a batch thrown away after backward is, autocast and torch.compile work, and the sampler shards
 (threads per rank: tests/test_threads.py)."""
 import io
 
@@ -154,6 +155,107 @@ def test_grad_is_the_average_after_synchronize(comm, op):
         assert_close(p.grad, g)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     assert_close(norm, torch.nn.utils.get_total_norm([g for g in want]))
+    opt.close()
+
+
+def wide_model(seed=0):
+    """Wide enough for several buckets of bucket_mb=0.01 (10 KiB)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                               torch.nn.Tanh(), torch.nn.Linear(64, 3))
+
+
+def change_grads(kind, model, loss, opt):
+    """The DDP script's line between backward and step, before any synchronize()."""
+    loss.backward()
+    if kind == "clip_grad_norm_":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    else:
+        p = next(model.parameters())
+        p.grad = p.grad.clone()
+
+
+@pytest.mark.parametrize("kind", ["clip_grad_norm_", "replaced"])
+def test_changing_gradients_before_synchronize_fails_everywhere(comm, kind):
+    """A DDP script's clip_grad_norm_ straight after backward, or a `.grad` replaced, would
+    race the reduction that backward started: every rank raises, names synchronize(), takes
+    no step, and the corrected script then trains as one process."""
+    ref, model = wide_model(), wide_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                         momentum=0.9),
+                                  comm=comm, bucket_mb=0.01)
+    assert len(opt.buckets.buckets) > 1
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = data(0, comm.size)
+    opt.zero_grad()
+    change_grads(kind, model, F.cross_entropy(model(mine(x, comm)), mine(y, comm)), opt)
+    with pytest.raises(RuntimeError, match=r"before synchronize\(\).*this step is not taken"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    for step in range(1, 3):
+        x, y = data(step, comm.size)
+        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
+            o.zero_grad()
+            F.cross_entropy(m(xs), ys).backward()
+            if o is opt:
+                opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
+    opt.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-optimizer", "fused"])
+def test_gradscaler_as_under_ddp(comm, fused):
+    """DDP's mixed-precision loop unchanged, `scaler.scale(loss).backward();
+    scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt); scaler.update()`, with no
+    synchronize(): unscale_ waits for the average, and training equals one process, its
+    scale growing alike."""
+    ref, model = wide_model(), wide_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
+                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+               for _ in range(2)]
+    for step in range(4):
+        x, y = data(step, comm.size)
+        for o, m, s, xs, ys in ((ropt, ref, scalers[0], x, y),
+                                (opt, model, scalers[1], mine(x, comm), mine(y, comm))):
+            o.zero_grad()
+            s.scale(F.cross_entropy(m(xs), ys)).backward()
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            s.step(o)
+            s.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert_close(p, q)
+    assert scalers[1].get_scale() == 2.0 ** 18
+    opt.close()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-optimizer", "fused"])
+def test_zero_grad_after_backward_skips_the_step(comm, fused):
+    """`loss.backward(); opt.zero_grad()` with no step (a batch thrown away) waits for the
+    reductions that backward started before clearing: the next steps equal one process
+    that skipped the same batches."""
+    ref, model = wide_model(), wide_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
+                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    for step in range(6):
+        x, y = data(step, comm.size)
+        for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
+            o.zero_grad(set_to_none=step % 4 < 2)
+            F.cross_entropy(m(xs), ys).backward()
+            if step % 2 == 0:
+                o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
     opt.close()
 
 
