@@ -24,6 +24,8 @@ backward, as in a DDP script) or a `.grad` replaced after backward is found
 there (the flat buffer's version counter, which torch bumps on every in-place write to a
 view, against its value after the last hook; the views' identity) and raised on every rank,
 with the step not taken, instead of reducing half-changed gradients and parting the ranks.
+So is a gradient on a parameter that was frozen when the buckets were made (unfrozen since):
+no rank would reduce it.
 
 Averages: each gradient is multiplied by `scale` (1/size for an average) as it becomes
 final, in the pass that copies it into the buffer where there is one, so the reduction's
@@ -70,8 +72,9 @@ class GradientBuckets:
     whether every rank's gradients were finite (collective)."""
 
     def __init__(self, params, layout, storage, exchange, comm, *, bucket_mb: float,
-                 passes_per_step: int, scale: float = 1.0):
+                 passes_per_step: int, scale: float = 1.0, frozen=()):
         self.params, self.layout, self.storage = params, layout, storage
+        self.frozen = list(frozen)              # (name, parameter): not in the buckets
         self.scale, self.sync = float(scale), True
         self.exchange, self.comm, self.passes_per_step = exchange, comm, passes_per_step
         self.device = storage.device
@@ -160,6 +163,13 @@ class GradientBuckets:
 
     def _touched(self) -> str | None:
         """What changed the gradients after backward and before synchronize(), or None."""
+        late = [n for n, p in self.frozen if p.grad is not None]
+        if late:
+            return (f"parameter {late[0]!r}" + (f" and {len(late) - 1} more" if len(late) > 1
+                                               else "") +
+                    " was frozen (requires_grad=False) when the DistributedOptimizer was built "
+                    "and now has a gradient, which no rank reduces: after unfreezing, close() "
+                    "the DistributedOptimizer and build a new one; this step is not taken")
         if self._version is None:
             return None
         changed = [self.layout.names[i] for i, (p, g) in enumerate(zip(self.params,

@@ -102,7 +102,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     param_groups: with an optimizer name, torch-style groups ({"params": [...], name: value})
       that split the trainable parameters, each with its own lr, weight_decay, betas, ...
     Construction is collective. Frozen parameters (requires_grad=False) stay where they are
-    and are only broadcast. Writes into `param_groups` reach the next step.
+    and are only broadcast; one unfrozen later needs a new DistributedOptimizer (step()
+    raises until then). Writes into `param_groups` reach the next step.
     """
 
     _groups = delegated("param_groups")
@@ -169,7 +170,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buckets = GradientBuckets(self.params, self.layout, self.storage, self.exchange, c,
                                        bucket_mb=0 if compressed else bucket_mb,
                                        passes_per_step=self.backward_passes_per_step,
-                                       scale=1.0 / c.size if op == "avg" else 1.0)
+                                       scale=1.0 / c.size if op == "avg" else 1.0,
+                                       frozen=[(n, p) for n, p in named if not p.requires_grad])
         # the last step's figures: skipped, t_launch, t_wait, t_optim (seconds) and
         # launched_at (time.perf_counter() when each bucket's gradients were final)
         self.last_step: dict = {}

@@ -271,6 +271,38 @@ def test_frozen_parameters_left_out(comm):
     opt.close()
 
 
+def test_unfrozen_parameter_fails_everywhere_until_rebuilt(comm):
+    """A parameter unfrozen after the DistributedOptimizer was built gets a gradient no rank
+    reduces: every rank raises and takes no step; built anew, training goes on as one
+    process."""
+    model, ref = make_model(), make_model()
+    for m in (model, ref):
+        m[0].weight.requires_grad_(False)
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(o, m, x, y):
+        o.zero_grad()
+        loss_of(m, x, y).backward()
+        o.step()
+    (x, y), (x2, y2), (x3, y3) = batches(3, comm.size)
+    step(opt, model, mine(x, comm.rank), mine(y, comm.rank))
+    step(ropt, ref, x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    for m in (model, ref):
+        m[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="'0.weight' was frozen"):
+        step(opt, model, mine(x2, comm.rank), mine(y2, comm.rank))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.close()
+    again = mt.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    comm=comm)           # now over every parameter
+    step(again, model, mine(x3, comm.rank), mine(y3, comm.rank))
+    step(ropt, ref, x3, y3)
+    assert_same_params(model, ref)
+    again.close()
+
+
 def test_half_parameters_keep_float32_masters(comm):
     model = make_model(dtype=torch.bfloat16)
     opt = mt.DistributedOptimizer(model, "adamw", lr=1e-2, comm=comm)
