@@ -17,6 +17,8 @@ An exchange serves GradientBuckets and the optimizer's step:
     settle()                             before the gradient buffer is written again: no
                                          rank still reads mine (the window's fence, queued
                                          at launched(), so that it overlaps the update)
+    gather_grads()                       a caller's synchronize() is done: every rank's
+                                         `.grad` the whole reduced gradient (collective)
 Where the node's shared window is used (storage.shared), gradients are reduced where they
 lie, checked for Inf/NaN as they are summed; else through mpidist.collectives (or a
 compressor of mpidist.compress), which take CuPy arrays (a CUDA model's buffers) as they
@@ -97,6 +99,9 @@ class Allreduce:
             out = optimizer.step(self.storage.params, self.storage.grads, finite=True,
                                  loss_scale=scale)
         return {"lr": out.lr, "optim_step": out.step}
+
+    def gather_grads(self) -> None:
+        """After a caller's synchronize(): nothing to gather, every rank holds the sums."""
 
     def gather_params(self) -> None:
         """After an update of the shard: nothing to gather, every rank updated all."""

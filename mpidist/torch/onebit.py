@@ -56,6 +56,10 @@ class Onebit:
     def complete(self) -> bool | None:
         return None if self.frozen else self.inner.complete()
 
+    def gather_grads(self) -> None:
+        if not self.frozen:
+            self.inner.gather_grads()
+
     def update(self, optimizer, scale: float) -> dict:
         if not self.frozen:
             return self.inner.update(optimizer, scale)

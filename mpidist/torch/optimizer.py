@@ -190,11 +190,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self):
         """torch's param_groups (the wrapped optimizer's own). Read after backward, before
         synchronize(), they wait for the reduction first (collective, once per step, so a
-        read on some ranks only is matched by the others' step()): GradScaler.unscale_(opt),
+        read on some ranks only is matched by the others' step(), but for zero=2, whose
+        synchronize() gathers the shards on every rank): GradScaler.unscale_(opt),
         which reaches the gradients through them, sees the average, as after DDP's backward."""
         buckets = self.__dict__.get("buckets")
         if buckets is not None and buckets.backward_done:
-            buckets.synchronize()
+            self.synchronize()
         return self._groups
 
     @param_groups.setter
@@ -282,8 +283,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> bool:
         """Launch what is left, agree on finiteness and wait for every bucket; returns
         whether the reduced gradients are finite on every rank (collective). Afterwards
-        `.grad` holds the average (op="avg") or the sum, None where no rank had one."""
-        return self.buckets.synchronize()
+        `.grad` holds the average (op="avg") or the sum, None where no rank had one (under
+        zero=2 too: the reduced shards are gathered, which step() alone does not need)."""
+        first = not self.buckets.synced
+        finite = self.buckets.synchronize()
+        if first:
+            self.exchange.gather_grads()
+        return finite
 
     @contextlib.contextmanager
     def no_sync(self):

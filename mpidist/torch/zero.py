@@ -7,7 +7,8 @@ allgathered into every rank's whole parameter buffer.
   stage 2: the buckets are reduce-scattered onto the shards' owners (in the shared window
            while backward runs; else one reduce-scatter in step()), not allreduced.
 torch's autograd still writes whole gradients, so stage 2 saves communication, not
-gradient memory. LARS/LAMB's per-tensor norms are summed over the shards.
+gradient memory; a caller's synchronize() gathers the reduced shards, so that `.grad` means
+what it means at the other stages (clip_grad_norm_ after it sees the whole gradient). LARS/LAMB's per-tensor norms are summed over the shards.
 """
 from __future__ import annotations
 
@@ -78,6 +79,19 @@ class Zero(Allreduce):
         if self.comm.size > 1:
             self.comm.comm.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
         return out
+
+    def gather_grads(self) -> None:
+        """Stage 2, collective: every rank's reduced shard into every rank's whole gradient
+        buffer, so that `.grad` is the reduced gradient everywhere (synchronize() by the
+        caller; step() alone updates from the shard and skips this)."""
+        if self.stage == 1 or self.comm.size == 1:
+            return
+        if self.storage.shared is not None:
+            self.storage.shared.allgather(self.bounds)
+        else:
+            a, b = self.shard
+            g = self.storage.grads
+            allgather(g[a:b].copy(), out=g, comm=self.comm)
 
     def gather_params(self) -> None:
         """Every rank's updated shard into every rank's whole parameter buffer."""

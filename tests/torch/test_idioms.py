@@ -139,12 +139,14 @@ def test_state_dict_round_trips_through_torch_save(comm, zero):
     again.close()
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2])
 @pytest.mark.parametrize("op", ["avg", "sum"])
-def test_grad_is_the_average_after_synchronize(comm, op):
+def test_grad_is_the_average_after_synchronize(comm, op, zero):
     """After synchronize() `.grad` is the mean (op="avg") or the sum over the ranks of
-    each rank's gradient, also inside step(closure); clip_grad_norm_ sees that gradient."""
+    each rank's gradient, at every ZeRO stage (stage 2 gathers its shards for it);
+    clip_grad_norm_ sees that gradient and the step after it is one process's."""
     ref, model = make_model(), make_model()
-    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, op=op)
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, op=op, zero=zero)
     x, y = data(0, comm.size)
     F.cross_entropy(ref(x), y).backward()
     want = [p.grad * (comm.size if op == "sum" else 1) for p in ref.parameters()]
@@ -155,6 +157,13 @@ def test_grad_is_the_average_after_synchronize(comm, op):
         assert_close(p.grad, g)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     assert_close(norm, torch.nn.utils.get_total_norm([g for g in want]))
+    opt.step()
+    for p, g in zip(ref.parameters(), want):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
     opt.close()
 
 
