@@ -84,22 +84,19 @@ class Zero(Allreduce):
         """Stage 2, collective: every rank's reduced shard into every rank's whole gradient
         buffer, so that `.grad` is the reduced gradient everywhere (synchronize() by the
         caller; step() alone updates from the shard and skips this)."""
-        if self.stage == 1 or self.comm.size == 1:
-            return
-        if self.storage.shared is not None:
-            self.storage.shared.allgather(self.bounds)
-        else:
-            a, b = self.shard
-            g = self.storage.grads
-            allgather(g[a:b].copy(), out=g, comm=self.comm)
+        if self.stage == 2 and self.comm.size > 1:
+            self._gather(self.storage.grads, self.storage.shared)
 
     def gather_params(self) -> None:
         """Every rank's updated shard into every rank's whole parameter buffer."""
-        if self.comm.size == 1:
-            return
-        if self.storage.pshared is not None:
-            self.storage.pshared.allgather(self.bounds)
+        if self.comm.size > 1:
+            self._gather(self.storage.params, self.storage.pshared)
+
+    def _gather(self, flat, shared) -> None:
+        """Collective: every rank's shard of flat into every rank's flat (in the window
+        where flat lives in one, shared)."""
+        if shared is not None:
+            shared.allgather(self.bounds)
         else:
             a, b = self.shard
-            p = self.storage.params
-            allgather(p[a:b].copy(), out=p, comm=self.comm)
+            allgather(flat[a:b].copy(), out=flat, comm=self.comm)
