@@ -199,7 +199,9 @@ class GradientBuckets:
         final = self._passes[i] >= k or not from_hook
         if self._passes[i] > k:
             self._errors.append(f"parameter {self.layout.names[i]!r} got more than "
-                                f"backward_passes_per_step={k} gradients before step()")
+                                f"backward_passes_per_step={k} gradients before step() "
+                                f"(to drop a backward's gradients without a step, call "
+                                f"opt.zero_grad(): it waits for their reduction first)")
             return
         ok, s = None, self.scale
         if not from_hook:                   # finalised by step(): a partial sum, or nothing
