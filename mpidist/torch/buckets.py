@@ -24,8 +24,8 @@ backward, as in a DDP script) or a `.grad` replaced after backward is found
 there (the flat buffer's version counter, which torch bumps on every in-place write to a
 view, against its value after the last hook; the views' identity) and raised on every rank,
 with the step not taken, instead of reducing half-changed gradients and parting the ranks.
-So is a gradient on a parameter that was frozen when the buckets were made (unfrozen since):
-no rank would reduce it.
+So is a parameter frozen when the buckets were made and unfrozen since: nothing would
+reduce or update it.
 
 Averages: each gradient is multiplied by `scale` (1/size for an average) as it becomes
 final, in the pass that copies it into the buffer where there is one, so the reduction's
@@ -163,13 +163,14 @@ class GradientBuckets:
 
     def _touched(self) -> str | None:
         """What changed the gradients after backward and before synchronize(), or None."""
-        late = [n for n, p in self.frozen if p.grad is not None]
+        late = [n for n, p in self.frozen if p.requires_grad]
         if late:
             return (f"parameter {late[0]!r}" + (f" and {len(late) - 1} more" if len(late) > 1
                                                else "") +
                     " was frozen (requires_grad=False) when the DistributedOptimizer was built "
-                    "and now has a gradient, which no rank reduces: after unfreezing, close() "
-                    "the DistributedOptimizer and build a new one; this step is not taken")
+                    "and requires grad now: it is not in the flat buffers, so nothing would "
+                    "reduce or update its gradient. After unfreezing, close() the "
+                    "DistributedOptimizer and build a new one; this step is not taken")
         if self._version is None:
             return None
         changed = [self.layout.names[i] for i, (p, g) in enumerate(zip(self.params,

@@ -8,7 +8,8 @@ allgathered into every rank's whole parameter buffer.
            while backward runs; else one reduce-scatter in step()), not allreduced.
 torch's autograd still writes whole gradients, so stage 2 saves communication, not
 gradient memory; a caller's synchronize() gathers the reduced shards, so that `.grad` means
-what it means at the other stages (clip_grad_norm_ after it sees the whole gradient). LARS/LAMB's per-tensor norms are summed over the shards.
+what it means at the other stages (clip_grad_norm_ after it sees the whole gradient).
+LARS/LAMB's per-tensor norms are summed over the shards.
 """
 from __future__ import annotations
 

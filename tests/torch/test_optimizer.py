@@ -272,12 +272,13 @@ def test_frozen_parameters_left_out(comm):
 
 
 def test_unfrozen_parameter_fails_everywhere_until_rebuilt(comm):
-    """A parameter unfrozen after the DistributedOptimizer was built gets a gradient no rank
-    reduces: every rank raises and takes no step; built anew, training goes on as one
-    process."""
+    """A parameter unfrozen after the DistributedOptimizer was built is in no flat buffer
+    (nothing would reduce or update it): every rank raises and takes no step; built anew,
+    training goes on as one process. A stale `.grad` on a frozen parameter is no error."""
     model, ref = make_model(), make_model()
     for m in (model, ref):
         m[0].weight.requires_grad_(False)
+    model[0].weight.grad = torch.ones_like(model[0].weight)      # left from earlier training
     opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
 
