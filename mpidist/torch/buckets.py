@@ -75,6 +75,8 @@ class GradientBuckets:
                  passes_per_step: int, scale: float = 1.0, frozen=()):
         self.params, self.layout, self.storage = params, layout, storage
         self.frozen = list(frozen)              # (name, parameter): not in the buckets
+        self.joined = False                     # this rank shadows the others (join())
+        self.active = comm.size                 # ranks not joined, as of the last step
         self.scale, self.sync = float(scale), True
         self.exchange, self.comm, self.passes_per_step = exchange, comm, passes_per_step
         self.device = storage.device
@@ -261,27 +263,30 @@ class GradientBuckets:
 
     def _post_flags(self) -> None:
         """Start the small allreduce of what every rank must agree on before an update:
-        whether its gradients were finite, its errors, which parameters had a gradient.
+        whether its gradients were finite, its errors, whether it has joined, which
+        parameters had a gradient.
         Posted once every gradient is final; it is small, so it is back before the first
         bucket is, which the update of that bucket needs."""
         if self._finite_dev is not None:
             self._finite &= bool(self._finite_dev)
-        self._flag = np.concatenate([[0.0 if self._finite else 1.0, float(len(self._errors))],
-                                     self._had])
+        self._flag = np.concatenate([[0.0 if self._finite else 1.0, float(len(self._errors)),
+                                      0.0 if self.joined else 1.0], self._had])
         c = self.comm
         self._flag_req = c.comm.Iallreduce(MPI.IN_PLACE, self._flag, op=MPI.SUM) \
             if c.size > 1 else None
 
     def _agree(self) -> bool:
         """Wait for the flags; mark the parameters no rank had a gradient for. Returns
-        whether the step may update (no errors, every rank's gradients finite)."""
+        whether this rank's step may update (no errors, every rank's gradients finite, and
+        this rank has not joined)."""
         if self._flag_req is not None:
             self._flag_req.Wait()
             self._flag_req = None
-        self.unused = self._flag[2:] == 0.0
+        self.active = int(self._flag[2])
+        self.unused = self._flag[3:] == 0.0
         for i in np.flatnonzero(self.unused):   # no rank had one: None, as torch leaves it
             self.params[i].grad = None
-        return self._flag[0] == 0.0 and self._flag[1] == 0.0
+        return self._flag[0] == 0.0 and self._flag[1] == 0.0 and not self.joined
 
     def synchronize(self, settle: bool = True, each=None) -> bool:
         """Launch what is left, agree on finiteness and wait for every bucket; returns

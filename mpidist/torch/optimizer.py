@@ -176,6 +176,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # launched_at (time.perf_counter() when each bucket's gradients were final)
         self.last_step: dict = {}
         self._by_bucket = None
+        self._steps = 0                     # step() calls so far
+        self._buffers = [b for _, b in model.named_buffers()] \
+            if isinstance(model, torch.nn.Module) else []
         if broadcast:
             bcast_tensor(c, self.storage.tparams, 0)
             for t in self.frozen:
@@ -304,6 +307,50 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self.buckets.sync = old
 
+    @contextlib.contextmanager
+    def join(self):
+        """Uneven inputs: a rank whose loop inside ends before the others' shadows their
+        steps (zero gradients in the same collectives, no update of its own) until every
+        rank has left its loop; then all take the parameters, buffers and optimizer state
+        of a rank that stepped the longest. The steps inside average over all ranks, the
+        joined ones contributing nothing, as DDP's join() with its defaults. Collective
+        on entry and exit; inside the loop the optimizer's are the only collectives, and a
+        scheduler stepped per batch counts only a rank's own steps (step one per epoch).
+        Data parallel only: under ZeRO each rank must update its own shard."""
+        c = self.comm
+        error = None
+        if self.zero or isinstance(self.exchange, Onebit) or \
+                self.exchange.compressed is not None:
+            error = ValueError("join() is for data parallel training without compression or "
+                               "1-bit optimizers (zero=0): elsewhere a joined rank's state "
+                               "would be needed by the others' steps")
+        elif self.buckets.in_flight:
+            error = RuntimeError("join() entered between backward() and step()")
+        c.raise_if_any(error)
+        start = self._steps
+        yield self                          # an error inside: the others wait for the watchdog
+        steps = self._steps - start
+        self.buckets.joined = True
+        try:
+            while True:
+                self.zero_grad()
+                self.step()
+                if self.buckets.active == 0:
+                    break
+        finally:
+            self.buckets.joined = False
+        every = c.comm.allgather(steps)
+        root = every.index(max(every))
+        bcast_tensor(c, self.storage.tparams, root)
+        for b in self._buffers:
+            bcast_tensor(c, b.data, root)
+        broadcast_optimizer_state(self, root, c)
+        if self._sync is not None:          # a fused optimizer's torch-side hyperparameters
+            hyper = c.comm.bcast([{k: v for k, v in g.items() if k != "params"}
+                                  for g in self.param_groups], root=root)
+            for g, h in zip(self.param_groups, hyper):
+                g.update(h)
+
     def step(self, closure=None):
         """Wait for the gradients, then update (skipped on every rank when any gradient is
         Inf/NaN). Returns the closure's loss, if a closure is given.
@@ -324,8 +371,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         spent = each.spent if each is not None else 0.0
         finite = self.buckets.synchronize(settle=False, each=each)
         t1 = time.perf_counter()
-        info = {"skipped": not finite}
-        if finite and each is None:
+        update = finite and not self.buckets.joined
+        info = {"skipped": not update}
+        if update and each is None:
             if self._sync is not None:
                 self._sync.apply(self.param_groups, self.buckets.unused)
             info.update(self.exchange.update(self.optimizer, 1.0))
@@ -336,6 +384,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                           "launched_at": self.buckets.launched_at,
                           "t_wait": t1 - t0 - overlapped, "t_optim": t2 - t1 + overlapped}
         self.buckets.new_round()
+        self._steps += 1
         return loss
 
     def _bucketwise(self):

@@ -268,6 +268,48 @@ def test_zero_grad_after_backward_skips_the_step(comm, fused):
     opt.close()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-optimizer", "fused"])
+def test_join_trains_uneven_inputs_as_ddp(comm, fused):
+    """Rank r has 2 + r batches. Inside join() the ranks that run out shadow the others: each
+    step is one process's on the active ranks' batches averaged over all ranks (DDP's
+    join()), and afterwards every rank holds the same parameters and momentum."""
+    ref, model = wide_model(), wide_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
+                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    steps = [2 + r for r in range(comm.size)]
+    with opt.join():
+        for step in range(steps[comm.rank]):
+            x, y = data(step, comm.size)
+            opt.zero_grad()
+            F.cross_entropy(model(mine(x, comm)), mine(y, comm)).backward()
+            opt.step()
+    for step in range(max(steps)):
+        x, y = data(step, comm.size)
+        ropt.zero_grad()
+        sum(F.cross_entropy(ref(x[PER_RANK * r:PER_RANK * (r + 1)]),
+                            y[PER_RANK * r:PER_RANK * (r + 1)])
+            for r in range(comm.size) if step < steps[r]).div(comm.size).backward()
+        ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
+    train_step(comm, 9, (ropt, ref), (opt, model))      # the momentum came along
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p, q)
+    opt.close()
+
+
+@pytest.mark.parametrize("settings", [dict(zero=1), dict(compression="fp16")])
+def test_join_refused_where_a_joined_rank_is_needed(comm, settings):
+    model = wide_model()
+    opt = mt.DistributedOptimizer(model, "sgd", lr=0.1, comm=comm, **settings)
+    with pytest.raises(ValueError, match="join\\(\\) is for data parallel"):
+        with opt.join():
+            pass
+    opt.close()
+
+
 def test_step_closure_updates_from_the_average(comm):
     """Inside step(closure) the wrapped torch optimizer's step sees the averaged `.grad`."""
     ref, model = make_model(), make_model()
