@@ -31,16 +31,16 @@ from mpidist.comm import as_communicator
 from mpidist.compress import CompressedAllreduce, make_compressor
 from mpidist.compress.hierarchical import NodeCompressedAllreduce, spans_nodes
 from mpidist.flat import Layout
-from mpidist.kernels.backend import to_numpy
 from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.optim import build_optimizer
 from mpidist.strategy.onebit import is_onebit
 from mpidist.torch.buckets import GradientBuckets
 from mpidist.torch.bucketwise import BucketSteps, usable
 from mpidist.torch.exchange import Allreduce
+from mpidist.torch.join import shadow_until_all_joined
 from mpidist.torch.onebit import Onebit
-from mpidist.torch.params import (bcast_tensor, broadcast_parameters, check_onebit,
-                                  check_params, check_same_params, check_settings,
+from mpidist.torch.params import (bcast_state, bcast_tensor, broadcast_parameters,
+                                  check_onebit, check_params, check_same_params, check_settings,
                                   named_parameters)
 from mpidist.torch.storage import FlatStorage
 from mpidist.torch.tensors import numpy_dtype
@@ -53,29 +53,14 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_
 
 
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm=None) -> None:
-    """Collective: every rank takes root_rank's optimizer state (a DistributedOptimizer,
-    an mpidist flat optimizer or a torch optimizer)."""
+    """Collective: every rank takes root_rank's optimizer state (any optimizer here)."""
     if isinstance(optimizer, DistributedOptimizer):
         if optimizer.zero:
             raise ValueError("under ZeRO each rank holds its own shard of the optimizer "
                              "state: there is nothing to broadcast (checkpoint it instead)")
         comm = optimizer.comm if comm is None else comm
         optimizer = optimizer.optimizer
-    c = as_communicator(comm)
-    if isinstance(optimizer, FlatOptimizer):
-        sd = optimizer.state_dict()
-        sd["state"] = {k: to_numpy(b) for k, b in sd["state"].items()}   # CuPy: a host copy
-        for _, b in sorted(sd["state"].items()):
-            c.comm.Bcast(b, root=root_rank)
-        sd["step"] = c.comm.bcast(sd["step"], root=root_rank)
-        optimizer.load_state_dict(sd)
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a DistributedOptimizer, an mpidist optimizer or a "
-                        f"torch.optim.Optimizer, got {type(optimizer).__name__}")
-    state = c.comm.bcast(optimizer.state_dict() if c.rank == root_rank else None, root=root_rank)
-    if c.rank != root_rank:
-        optimizer.load_state_dict(state)
+    bcast_state(as_communicator(comm), optimizer, root_rank)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -177,25 +162,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_step: dict = {}
         self._by_bucket = None
         self._steps = 0                     # step() calls so far
-        self._buffers = [b for _, b in model.named_buffers()] \
+        self.module_buffers = [b for _, b in model.named_buffers()] \
             if isinstance(model, torch.nn.Module) else []
         if broadcast:
             bcast_tensor(c, self.storage.tparams, 0)
             for t in self.frozen:
                 bcast_tensor(c, t.data, 0)
-            if isinstance(model, torch.nn.Module):
-                for _, b in model.named_buffers():
-                    bcast_tensor(c, b.data, 0)
+            for b in self.module_buffers:
+                bcast_tensor(c, b.data, 0)
             if not self.zero:                # ZeRO: each rank holds its own shard's state
                 broadcast_optimizer_state(self.optimizer, 0, c)
 
     @property
     def param_groups(self):
-        """torch's param_groups (the wrapped optimizer's own). Read after backward, before
-        synchronize(), they wait for the reduction first (collective, once per step, so a
-        read on some ranks only is matched by the others' step(), but for zero=2, whose
-        synchronize() gathers the shards on every rank): GradScaler.unscale_(opt),
-        which reaches the gradients through them, sees the average, as after DDP's backward."""
+        """torch's param_groups (a wrapped optimizer's own). Read after backward, they run
+        synchronize() first (once per step; on some ranks only but for zero=2, as the
+        others' step() matches it), so GradScaler.unscale_(opt) sees the average."""
         buckets = self.__dict__.get("buckets")
         if buckets is not None and buckets.backward_done:
             self.synchronize()
@@ -204,6 +186,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @param_groups.setter
     def param_groups(self, value):
         self._groups = value
+
+    @property
+    def flat_update(self) -> bool:
+        """Whether an mpidist optimizer updates (param_groups are then this wrapper's own)."""
+        return self._sync is not None
 
     @property
     def flat_params(self):
@@ -309,15 +296,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def join(self):
-        """Uneven inputs: a rank whose loop inside ends before the others' shadows their
-        steps (zero gradients in the same collectives, no update of its own) until every
-        rank has left its loop; then all take the parameters, buffers and optimizer state
-        of a rank that stepped the longest. The steps inside average over all ranks, the
-        joined ones contributing nothing, as DDP's join() with its defaults. Collective
-        on entry and exit; inside the loop the optimizer's are the only collectives, and a
-        scheduler stepped per batch counts only a rank's own steps (step one per epoch).
-        Data parallel only: under ZeRO each rank must update its own shard."""
-        c = self.comm
+        """Uneven inputs: a rank whose loop inside ends early shadows the others' steps
+        until all have left theirs (mpidist.torch.join). Collective; data parallel only."""
         error = None
         if self.zero or isinstance(self.exchange, Onebit) or \
                 self.exchange.compressed is not None:
@@ -326,30 +306,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "would be needed by the others' steps")
         elif self.buckets.in_flight:
             error = RuntimeError("join() entered between backward() and step()")
-        c.raise_if_any(error)
-        start = self._steps
-        yield self                          # an error inside: the others wait for the watchdog
-        steps = self._steps - start
-        self.buckets.joined = True
-        try:
-            while True:
-                self.zero_grad()
-                self.step()
-                if self.buckets.active == 0:
-                    break
-        finally:
-            self.buckets.joined = False
-        every = c.comm.allgather(steps)
-        root = every.index(max(every))
-        bcast_tensor(c, self.storage.tparams, root)
-        for b in self._buffers:
-            bcast_tensor(c, b.data, root)
-        broadcast_optimizer_state(self, root, c)
-        if self._sync is not None:          # a fused optimizer's torch-side hyperparameters
-            hyper = c.comm.bcast([{k: v for k, v in g.items() if k != "params"}
-                                  for g in self.param_groups], root=root)
-            for g, h in zip(self.param_groups, hyper):
-                g.update(h)
+        self.comm.raise_if_any(error)
+        start = self._steps                 # an error inside: the others wait for the watchdog
+        yield self
+        shadow_until_all_joined(self, self._steps - start)
 
     def step(self, closure=None):
         """Wait for the gradients, then update (skipped on every rank when any gradient is

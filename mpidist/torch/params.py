@@ -1,6 +1,6 @@
 """The parameters a DistributedOptimizer trains: how a model names them, the checks on
 them and on the settings (local, then the same on every rank), and broadcasts of tensors
-from one rank."""
+and of an optimizer's state from one rank."""
 from __future__ import annotations
 
 import numbers
@@ -11,11 +11,14 @@ import torch
 from mpidist.comm import as_communicator
 from mpidist.errors import MismatchError
 from mpidist.kernels.backend import cupy_available
+from mpidist.kernels.backend import to_numpy as to_host
+from mpidist.optim import Optimizer as FlatOptimizer
 from mpidist.strategy.onebit import is_onebit
 from mpidist.torch.tensors import to_numpy
 
 __all__ = ["PARAM_DTYPES", "named_parameters", "check_params", "check_settings",
-           "check_onebit", "check_same_params", "bcast_tensor", "broadcast_parameters"]
+           "check_onebit", "check_same_params", "bcast_tensor", "broadcast_parameters",
+           "bcast_state"]
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -196,3 +199,22 @@ def broadcast_parameters(params, root_rank: int = 0, comm=None) -> None:
     for _, t in named:
         if t.numel():
             bcast_tensor(c, t.data, root_rank)
+
+
+def bcast_state(c, optimizer, root: int) -> None:
+    """Collective: optimizer (an mpidist flat optimizer or a torch optimizer) takes root's
+    state; a flat optimizer's arrays go as they are, a torch optimizer's state_dict pickled."""
+    if isinstance(optimizer, FlatOptimizer):
+        sd = optimizer.state_dict()
+        sd["state"] = {k: to_host(b) for k, b in sd["state"].items()}    # CuPy: a host copy
+        for _, b in sorted(sd["state"].items()):
+            c.comm.Bcast(b, root=root)
+        sd["step"] = c.comm.bcast(sd["step"], root=root)
+        optimizer.load_state_dict(sd)
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a DistributedOptimizer, an mpidist optimizer or a "
+                        f"torch.optim.Optimizer, got {type(optimizer).__name__}")
+    state = c.comm.bcast(optimizer.state_dict() if c.rank == root else None, root=root)
+    if c.rank != root:
+        optimizer.load_state_dict(state)
