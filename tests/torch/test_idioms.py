@@ -174,6 +174,17 @@ def wide_model(seed=0):
                                torch.nn.Tanh(), torch.nn.Linear(64, 3))
 
 
+def sgd_pair(comm, fused):
+    """(reference, its torch SGD, model, its DistributedOptimizer): momentum SGD on both,
+    mpidist's fused kernel or the same torch SGD wrapped, buckets of 10 KiB."""
+    ref, model = wide_model(), wide_model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
+                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    return ref, ropt, model, opt
+
+
 def change_grads(kind, model, loss, opt):
     """The DDP script's line between backward and step, before any synchronize()."""
     loss.backward()
@@ -189,11 +200,7 @@ def test_changing_gradients_before_synchronize_fails_everywhere(comm, kind):
     """A DDP script's clip_grad_norm_ straight after backward, or a `.grad` replaced, would
     race the reduction that backward started: every rank raises, names synchronize(), takes
     no step, and the corrected script then trains as one process."""
-    ref, model = wide_model(), wide_model()
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    opt = mt.DistributedOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                         momentum=0.9),
-                                  comm=comm, bucket_mb=0.01)
+    ref, ropt, model, opt = sgd_pair(comm, fused=False)
     assert len(opt.buckets.buckets) > 1
     before = [p.detach().clone() for p in model.parameters()]
     x, y = data(0, comm.size)
@@ -222,11 +229,7 @@ def test_gradscaler_as_under_ddp(comm, fused):
     scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt); scaler.update()`, with no
     synchronize(): unscale_ waits for the average, and training equals one process, its
     scale growing alike."""
-    ref, model = wide_model(), wide_model()
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
-                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    ref, ropt, model, opt = sgd_pair(comm, fused)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
                for _ in range(2)]
     for step in range(4):
@@ -251,11 +254,7 @@ def test_zero_grad_after_backward_skips_the_step(comm, fused):
     """`loss.backward(); opt.zero_grad()` with no step (a batch thrown away) waits for the
     reductions that backward started before clearing: the next steps equal one process
     that skipped the same batches."""
-    ref, model = wide_model(), wide_model()
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
-                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    ref, ropt, model, opt = sgd_pair(comm, fused)
     for step in range(6):
         x, y = data(step, comm.size)
         for o, m, xs, ys in ((ropt, ref, x, y), (opt, model, mine(x, comm), mine(y, comm))):
@@ -273,11 +272,7 @@ def test_join_trains_uneven_inputs_as_ddp(comm, fused):
     """Rank r has 2 + r batches. Inside join() the ranks that run out shadow the others: each
     step is one process's on the active ranks' batches averaged over all ranks (DDP's
     join()), and afterwards every rank holds the same parameters and momentum."""
-    ref, model = wide_model(), wide_model()
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    inner = "sgd" if fused else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = mt.DistributedOptimizer(model, inner, comm=comm, bucket_mb=0.01,
-                                  **(dict(lr=0.1, momentum=0.9) if fused else {}))
+    ref, ropt, model, opt = sgd_pair(comm, fused)
     steps = [2 + r for r in range(comm.size)]
     with opt.join():
         for step in range(steps[comm.rank]):
